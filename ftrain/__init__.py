@@ -1,3 +1,30 @@
-"""ftrain: functional training for PyTorch."""
+"""ftrain: functional training for PyTorch.
+
+A training step is a pure function ``step(state, batch) -> (state, metrics)``; transforms turn a
+step into a step::
+
+    import ftrain as ft
+    step = ft.train_step(loss_fn, ft.optim.adamw(3e-4))
+    step = ft.accumulate(ft.checkpoint(ft.autocast(step)), micro_batches=4)
+    state, metrics = step(state, batch)
+"""
+
+from ftrain import losses, optim
+from ftrain.losses import Loss
+from ftrain.state import TrainState, apply, buffers_of, params_of
+from ftrain.step import Step, train_step, wrap
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "Loss",
+    "Step",
+    "TrainState",
+    "apply",
+    "buffers_of",
+    "losses",
+    "optim",
+    "params_of",
+    "train_step",
+    "wrap",
+]

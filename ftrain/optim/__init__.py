@@ -1,0 +1,82 @@
+"""Optimizers as pure ``(init, update)`` pairs over TensorDicts, optax-style.
+
+>>> import torch, ftrain as ft
+>>> from ftrain import optim
+>>> params = ft.params_of(torch.nn.Linear(3, 2))
+>>> opt = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-3, weight_decay=0.1))
+>>> state = opt.init(params)
+>>> grads = params.apply(torch.ones_like)
+>>> updates, state = opt.update(grads, state, params)
+>>> new_params = optim.apply_updates(params, updates)
+"""
+
+from ftrain.optim import schedules
+from ftrain.optim.alias import OPTIMIZERS, adam, adamw, decay_mask, lion, sgd
+from ftrain.optim.base import (
+    GradientTransformation,
+    apply_if_finite,
+    chain,
+    empty_state,
+    identity,
+    masked,
+    state_bytes,
+    stateless,
+)
+from ftrain.optim.schedules import (
+    constant,
+    cosine_decay,
+    inverse_sqrt,
+    join,
+    linear_decay,
+    linear_schedule,
+    linear_warmup,
+    warmup_cosine,
+    wsd,
+)
+from ftrain.optim.transforms import (
+    add_decayed_weights,
+    clip_by_global_norm,
+    global_norm,
+    scale,
+    scale_by_adam,
+    scale_by_learning_rate,
+    scale_by_lion,
+    trace,
+)
+from ftrain.optim.updates import apply_updates
+
+__all__ = [
+    "GradientTransformation",
+    "OPTIMIZERS",
+    "adam",
+    "adamw",
+    "add_decayed_weights",
+    "apply_if_finite",
+    "apply_updates",
+    "chain",
+    "clip_by_global_norm",
+    "constant",
+    "cosine_decay",
+    "decay_mask",
+    "empty_state",
+    "global_norm",
+    "identity",
+    "inverse_sqrt",
+    "join",
+    "linear_decay",
+    "linear_schedule",
+    "linear_warmup",
+    "lion",
+    "masked",
+    "scale",
+    "scale_by_adam",
+    "scale_by_learning_rate",
+    "scale_by_lion",
+    "schedules",
+    "sgd",
+    "state_bytes",
+    "stateless",
+    "trace",
+    "warmup_cosine",
+    "wsd",
+]

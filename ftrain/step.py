@@ -1,0 +1,368 @@
+"""The train step: a pure function ``step(state, batch) -> (state, metrics)``.
+
+A :class:`Step` is a frozen description of one optimizer step, split into phases that transforms
+reach without re-implementing them:
+
+1. **forward**  ``loss_fn(params, micro_batch)`` under the ``forward_contexts`` (autocast,
+   activation checkpointing), normalized into an :class:`ftrain.Loss` (a sum and its count);
+2. **grad**     ``torch.autograd.grad`` of the (loss-scaled) sum over leaf copies of the params,
+   once per micro-batch, summed into one gradient buffer (``micro_batches``);
+3. **reduce**   sums of gradients, loss totals and counts across processes (``reducer``, set by
+   ``ft.shard``), then division by the total count, so normalization is exact;
+4. **update**   the optimizer's pure ``update`` and ``params + updates``; with a ``loss_scaler``
+   (fp16), a step whose gradients are not finite is skipped with tensor ops (no host sync).
+
+Around the whole call: the random stream is seeded from ``(state.rng, state.step)`` inside
+``torch.random.fork_rng`` (so the global RNG is left as it was), then any ``step_contexts``
+(TF32), then the ``wrappers`` that user transforms add.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+import torch
+from tensordict import TensorDict
+
+from ftrain import _tree
+from ftrain.losses import Loss, as_loss
+from ftrain.optim.base import GradientTransformation, _accepts_inplace, all_finite
+from ftrain.optim.transforms import global_norm
+from ftrain.optim.updates import apply_updates
+from ftrain.state import TrainState
+
+__all__ = ["Step", "train_step", "StepFn", "split_batch", "wrap"]
+
+StepFn = Callable[[TrainState, Any], tuple[TrainState, dict[str, torch.Tensor]]]
+ContextFactory = Callable[[], contextlib.AbstractContextManager]
+
+
+class LossScaler(Protocol):
+    """What ``ft.autocast`` plugs into a step for fp16 (see ``ftrain.transforms.autocast``)."""
+
+    def init(self) -> TensorDict: ...
+    def scale(self, extra: TensorDict) -> torch.Tensor: ...
+    def update(self, extra: TensorDict, finite: torch.Tensor) -> TensorDict: ...
+
+
+class GradReducer(Protocol):
+    """What ``ft.shard`` plugs into a step: sums across processes, in place."""
+
+    def reduce(self, grads: list[torch.Tensor], sums: torch.Tensor) -> None: ...
+
+
+def _mix(*xs: int) -> int:
+    """SplitMix64 of the inputs: a well-spread 63-bit seed from a key and counters."""
+    z = 0x9E3779B97F4A7C15
+    for x in xs:
+        z = (z ^ (x & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
+        z ^= z >> 31
+    return z & 0x7FFFFFFFFFFFFFFF
+
+
+@contextlib.contextmanager
+def _seeded(state: TrainState, device: torch.device) -> Any:
+    """Seed the generators the step draws from (CPU, and the params' CUDA device) and restore
+    them on exit, so the step neither depends on nor changes the global random state."""
+    # int() of a CPU tensor reads host memory, not a device sync: TrainState keeps `step` and
+    # `rng` on the CPU for that reason.
+    seed = _mix(int(state.rng), int(state.step))
+    gens = [torch.default_generator]
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        gens.append(torch.cuda.default_generators[index])
+    saved = [g.get_state() for g in gens]
+    try:
+        for g in gens:
+            g.manual_seed(seed)
+        yield
+    finally:
+        for g, s in zip(gens, saved):
+            g.set_state(s)
+
+
+def split_batch(batch: Any, k: int) -> list[Any]:
+    """Split every tensor of ``batch`` (a tensor, or a dict/list/tuple of them) into ``k`` parts
+    along dim 0, as evenly as possible (``torch.tensor_split``). Non-tensor leaves are shared."""
+    if k == 1:
+        return [batch]
+    if isinstance(batch, torch.Tensor):
+        if batch.dim() == 0:
+            return [batch] * k
+        return list(torch.tensor_split(batch, k))
+    if isinstance(batch, Mapping):
+        parts = {key: split_batch(v, k) for key, v in batch.items()}
+        return [type(batch)({key: parts[key][i] for key in batch}) for i in range(k)]
+    if isinstance(batch, (tuple, list)):
+        parts = [split_batch(v, k) for v in batch]
+        return [type(batch)(p[i] for p in parts) for i in range(k)]
+    return [batch] * k
+
+
+def batch_rows(batch: Any) -> int | None:
+    """The leading dimension shared by the batch's tensors (None if it holds no batched tensor)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.dim() else None
+    values = batch.values() if isinstance(batch, Mapping) else batch
+    if isinstance(values, (tuple, list)) or isinstance(batch, Mapping):
+        for v in values:
+            r = batch_rows(v)
+            if r is not None:
+                return r
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One optimizer step as data. Call it: ``state, metrics = step(state, batch)``.
+
+    Build it with :func:`train_step` and change it with transforms (``ft.accumulate``,
+    ``ft.checkpoint``, ``ft.autocast``, ``ft.shard``, ``ft.compile``, :func:`wrap`); each returns a
+    new Step and leaves its argument as it was. Fields are the phases' settings (see the module
+    docstring); ``transforms`` records what was applied, innermost first.
+    """
+
+    loss_fn: Callable[..., Any]
+    optimizer: GradientTransformation
+    donate: bool = False
+    micro_batches: int = 1
+    forward_contexts: tuple[ContextFactory, ...] = ()
+    step_contexts: tuple[ContextFactory, ...] = ()
+    loss_scaler: Any = None  # LossScaler | None
+    reducer: Any = None  # GradReducer | None
+    wrappers: tuple[Callable[[StepFn], StepFn], ...] = ()
+    compiled: Callable | None = None
+    transforms: tuple[str, ...] = ()
+
+    # -- building ---------------------------------------------------------------------------
+    def replace(self, name: str, **changes) -> Step:
+        """A copy with ``changes`` applied and ``name`` appended to ``transforms``.
+
+        For transform authors. Changing a phase after ``ft.compile`` is refused, because the
+        compiled function would not see it.
+        """
+        if self.compiled is not None and name != "wrap":
+            raise ValueError(
+                f"ft.{name} was applied after ft.compile; compile must come last: "
+                f"ft.compile(ft.{name}(step)). The compiled function would not see the change."
+            )
+        return dataclasses.replace(self, transforms=(*self.transforms, name), **changes)
+
+    def init_extra(self, state: TrainState) -> TrainState:
+        """``state`` with the entries transforms own (e.g. the fp16 loss scale) added if missing.
+
+        Calling the step does this itself; call it up front to give a compiled step its final
+        state structure from the first call, or to save a state before the first step.
+        """
+        if self.loss_scaler is not None and "loss_scale" not in state.extra.keys():
+            extra = state.extra.clone(recurse=False)
+            extra["loss_scale"] = self.loss_scaler.init()
+            return state.replace(extra=extra)
+        return state
+
+    # -- phases -----------------------------------------------------------------------------
+    def forward(self, params: TensorDict, batch: Any) -> Loss:
+        """Phase 1: the loss of one micro-batch, under the forward contexts."""
+        with contextlib.ExitStack() as stack:
+            for ctx in self.forward_contexts:
+                stack.enter_context(ctx())
+            out = self.loss_fn(params, batch)
+        return as_loss(out, batch)
+
+    def grad(
+        self, params: TensorDict, batch: Any, scale: torch.Tensor | None = None
+    ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """Phase 2: summed (unnormalized, ``scale``-multiplied) gradients over the micro-batches.
+
+        Returns ``(grads, total, count, aux)``: gradient leaves in the params' key order, the sum
+        of the loss totals and of the counts, and aux metrics averaged over micro-batches.
+        """
+        leaves = [p.detach().requires_grad_(True) for p in _tree.leaves(params)]
+        p_in = _tree.unflatten(params, leaves)
+        micro = split_batch(batch, self.micro_batches)
+        grads: list[torch.Tensor] | None = None
+        total = count = None
+        aux: dict[str, torch.Tensor] = {}
+        for mb in micro:
+            loss = self.forward(p_in, mb)
+            objective = loss.total if scale is None else loss.total * scale
+            g = torch.autograd.grad(objective, leaves, allow_unused=True)
+            if grads is None:  # the one gradient buffer; later micro-batches add into it
+                grads = [gi if gi is not None else torch.zeros_like(p) for gi, p in zip(g, leaves)]
+            else:
+                present = [(a, b) for a, b in zip(grads, g) if b is not None]
+                torch._foreach_add_([a for a, _ in present], [b for _, b in present])
+            t, c = loss.total.detach().float(), loss.count.detach()
+            total, count = (t, c) if total is None else (total + t, count + c)
+            for k, v in loss.aux.items():
+                v = v.detach().float() / len(micro)
+                aux[k] = v if k not in aux else aux[k] + v
+        return grads, total, count, aux
+
+    def update(
+        self,
+        state: TrainState,
+        grads: list[torch.Tensor],
+        finite: torch.Tensor | None = None,
+    ) -> tuple[TrainState, TensorDict]:
+        """Phase 4: the optimizer update from normalized ``grads``; returns the new params and
+        optimizer state. With ``finite`` (a 0-d bool tensor), a non-finite step changes nothing."""
+        grads_td = _tree.unflatten(state.params, grads)
+        inplace = self.donate and finite is None
+        if _accepts_inplace(self.optimizer.update):
+            updates, opt_state = self.optimizer.update(
+                grads_td, state.opt_state, state.params, inplace=inplace
+            )
+        else:
+            updates, opt_state = self.optimizer.update(grads_td, state.opt_state, state.params)
+        if finite is None:
+            return apply_updates(state.params, updates, inplace=self.donate), opt_state
+        keep = lambda new, old: torch.where(finite, new, old)  # noqa: E731
+        u = [torch.where(finite, x, torch.zeros_like(x)) for x in _tree.leaves(updates)]
+        params = apply_updates(state.params, _tree.unflatten(updates, u), inplace=self.donate)
+        old = _tree.leaves(state.opt_state)
+        opt_state = _tree.unflatten(
+            opt_state, [keep(n, o) for n, o in zip(_tree.leaves(opt_state), old)]
+        )
+        return params, opt_state
+
+    def core(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
+        """Phases 1-4 without the RNG seeding, step contexts or wrappers (what ``compile``
+        compiles)."""
+        scaler = self.loss_scaler
+        scale = scaler.scale(state.extra) if scaler is not None else None
+        grads, total, count, aux = self.grad(state.params, batch, scale)
+        if self.reducer is not None:  # phase 3a: sums across processes
+            sums = torch.stack([total.float(), count.float()])
+            self.reducer.reduce(grads, sums)
+            total, count = sums[0], sums[1]
+        # phase 3b: the one division, by the whole batch's count (and the loss scale)
+        denom = count.to(torch.float32).clamp_min(1.0)
+        if scale is not None:
+            denom = denom * scale
+        torch._foreach_div_(grads, denom)
+        grad_norm = global_norm(grads)
+
+        finite = all_finite(grads) if scaler is not None else None
+        params, opt_state = self.update(state, grads, finite)
+        extra = state.extra
+        if scaler is not None:
+            extra = extra.clone(recurse=False)
+            extra["loss_scale"] = scaler.update(state.extra["loss_scale"], finite)
+        new_state = TrainState(
+            params=params,
+            opt_state=opt_state,
+            step=state.step + 1,
+            rng=state.rng,
+            extra=extra,
+            batch_size=[],
+        )
+        metrics = {
+            "loss": total / count.clamp_min(1),
+            "count": count,
+            "grad_norm": grad_norm,
+            "lr": _find_lr(opt_state),
+            **aux,
+        }
+        if scaler is not None:
+            metrics["skipped"] = ~finite
+            metrics["loss_scale"] = extra["loss_scale", "scale"]
+        return new_state, metrics
+
+    # -- calling ----------------------------------------------------------------------------
+    def _inner(self) -> StepFn:
+        fn = self.compiled if self.compiled is not None else self.core
+        for w in self.wrappers:
+            fn = w(fn)
+        return fn
+
+    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
+        if not isinstance(state, TrainState):
+            raise TypeError(
+                f"step(state, batch): state must be an ft.TrainState, got {type(state).__name__}. "
+                "Create one with ft.TrainState.create(params, optimizer)."
+            )
+        self._check_batch(batch)
+        state = self.init_extra(state)
+        device = _tree.leaves(state.params)[0].device
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_seeded(state, device))
+            for ctx in self.step_contexts:
+                stack.enter_context(ctx())
+            return self._inner()(state, batch)
+
+    def _check_batch(self, batch: Any) -> None:
+        if self.micro_batches > 1:
+            rows = batch_rows(batch)
+            if rows is not None and rows < self.micro_batches:
+                raise ValueError(
+                    f"ft.accumulate(micro_batches={self.micro_batches}) got a batch of {rows} "
+                    f"rows; every micro-batch needs at least one row. Use micro_batches <= {rows}."
+                )
+
+
+def _find_lr(opt_state: TensorDict) -> torch.Tensor:
+    """The ``lr`` leaf the optimizer recorded (from ``scale_by_learning_rate``), or NaN."""
+    for key in opt_state.keys(include_nested=True, leaves_only=True):
+        if (key if isinstance(key, str) else key[-1]) == "lr":
+            return opt_state[key]
+    return torch.full((), float("nan"))
+
+
+def train_step(
+    loss_fn: Callable[..., Any], optimizer: GradientTransformation, *, donate: bool = False
+) -> Step:
+    """The step ``(state, batch) -> (state, metrics)`` that minimizes ``loss_fn`` with ``optimizer``.
+
+    Args:
+        loss_fn: ``loss_fn(params, batch)`` returning an :class:`ftrain.Loss` (a sum and its
+            count), a scalar tensor (a mean over the batch rows), or ``(loss, aux_dict)``. It calls
+            the model through :func:`ftrain.apply`.
+        optimizer: an ``ftrain.optim`` :class:`GradientTransformation`.
+        donate: let the step update ``state``'s tensors in place (saves a copy of params and
+            optimizer state). The state passed in must not be used afterwards.
+
+    Guarantees: the input state is not modified (unless ``donate``); the same state and batch give
+    the same result (dropout included: the random stream comes from ``state.rng`` and
+    ``state.step``); gradients are those of ``sum(total) / sum(count)`` over the whole batch;
+    metrics are 0-d tensors (``loss``, ``count``, ``grad_norm``, ``lr`` and the loss's aux),
+    computed without a host sync.
+    """
+    if not callable(loss_fn):
+        raise TypeError(
+            f"train_step(loss_fn, ...): loss_fn must be callable as loss_fn(params, batch), "
+            f"got {type(loss_fn).__name__}."
+        )
+    if not isinstance(optimizer, GradientTransformation):
+        raise TypeError(
+            "train_step(loss_fn, optimizer): optimizer must be an ftrain.optim."
+            f"GradientTransformation (e.g. ftrain.optim.adamw(3e-4)), got {type(optimizer).__name__}."
+            + (
+                " torch.optim optimizers hold state inside; ftrain's are pure functions."
+                if isinstance(optimizer, torch.optim.Optimizer)
+                else ""
+            )
+        )
+    if not isinstance(donate, bool):
+        raise TypeError(f"train_step(donate=...): expected a bool, got {donate!r}.")
+    return Step(loss_fn=loss_fn, optimizer=optimizer, donate=donate)
+
+
+def wrap(step: Step, wrapper: Callable[[StepFn], StepFn], *, name: str = "wrap") -> Step:
+    """Add an outer layer to ``step``: the new step calls ``wrapper(inner)(state, batch)``.
+
+    This is how to write your own transform (EMA of params, logging, gradient noise on the
+    result) and keep the phases reachable by the built-in transforms applied later. ``wrapper``
+    must return a function with the step's signature and must not mutate its inputs.
+    """
+    if not isinstance(step, Step):
+        raise TypeError(f"wrap(step, ...): step must be an ft.Step, got {type(step).__name__}.")
+    if not callable(wrapper):
+        raise TypeError("wrap(step, wrapper): wrapper must be callable as wrapper(inner_step_fn).")
+    return dataclasses.replace(
+        step, wrappers=(*step.wrappers, wrapper), transforms=(*step.transforms, name)
+    )
