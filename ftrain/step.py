@@ -37,7 +37,7 @@ from ftrain.state import TrainState
 __all__ = ["Step", "train_step", "StepFn", "split_batch", "wrap"]
 
 StepFn = Callable[[TrainState, Any], tuple[TrainState, dict[str, torch.Tensor]]]
-ContextFactory = Callable[[], contextlib.AbstractContextManager]
+ContextFactory = Callable[[Any], contextlib.AbstractContextManager]
 
 
 class LossScaler(Protocol):
@@ -135,6 +135,7 @@ class Step:
     loss_scaler: Any = None  # LossScaler | None
     reducer: Any = None  # GradReducer | None
     wrappers: tuple[Callable[[StepFn], StepFn], ...] = ()
+    state_inits: tuple[Callable[[TrainState], TrainState], ...] = ()
     compiled: Callable | None = None
     transforms: tuple[str, ...] = ()
 
@@ -161,7 +162,9 @@ class Step:
         if self.loss_scaler is not None and "loss_scale" not in state.extra.keys():
             extra = state.extra.clone(recurse=False)
             extra["loss_scale"] = self.loss_scaler.init()
-            return state.replace(extra=extra)
+            state = state.replace(extra=extra)
+        for init in self.state_inits:
+            state = init(state)
         return state
 
     # -- phases -----------------------------------------------------------------------------
@@ -169,7 +172,7 @@ class Step:
         """Phase 1: the loss of one micro-batch, under the forward contexts."""
         with contextlib.ExitStack() as stack:
             for ctx in self.forward_contexts:
-                stack.enter_context(ctx())
+                stack.enter_context(ctx(params))
             out = self.loss_fn(params, batch)
         return as_loss(out, batch)
 
@@ -292,7 +295,7 @@ class Step:
         with contextlib.ExitStack() as stack:
             stack.enter_context(_seeded(state, device))
             for ctx in self.step_contexts:
-                stack.enter_context(ctx())
+                stack.enter_context(ctx(state))
             return self._inner()(state, batch)
 
     def _check_batch(self, batch: Any) -> None:
@@ -352,17 +355,31 @@ def train_step(
     return Step(loss_fn=loss_fn, optimizer=optimizer, donate=donate)
 
 
-def wrap(step: Step, wrapper: Callable[[StepFn], StepFn], *, name: str = "wrap") -> Step:
+def wrap(
+    step: Step,
+    wrapper: Callable[[StepFn], StepFn],
+    *,
+    name: str = "wrap",
+    init: Callable[[TrainState], TrainState] | None = None,
+) -> Step:
     """Add an outer layer to ``step``: the new step calls ``wrapper(inner)(state, batch)``.
 
     This is how to write your own transform (EMA of params, logging, gradient noise on the
     result) and keep the phases reachable by the built-in transforms applied later. ``wrapper``
     must return a function with the step's signature and must not mutate its inputs.
+
+    ``init(state) -> state`` adds the entries the wrapper keeps in ``state.extra`` when they are
+    missing; the step runs it before every call (outside ``ft.compile``), and
+    ``step.init_extra(state)`` runs it up front.
     """
     if not isinstance(step, Step):
         raise TypeError(f"wrap(step, ...): step must be an ft.Step, got {type(step).__name__}.")
     if not callable(wrapper):
         raise TypeError("wrap(step, wrapper): wrapper must be callable as wrapper(inner_step_fn).")
+    inits = step.state_inits if init is None else (*step.state_inits, init)
     return dataclasses.replace(
-        step, wrappers=(*step.wrappers, wrapper), transforms=(*step.transforms, name)
+        step,
+        wrappers=(*step.wrappers, wrapper),
+        state_inits=inits,
+        transforms=(*step.transforms, name),
     )
