@@ -13,11 +13,17 @@ from ftrain import losses, optim
 from ftrain.losses import Loss
 from ftrain.state import TrainState, apply, buffers_of, params_of
 from ftrain.step import Step, train_step, wrap
+from ftrain.transforms import accumulate, autocast, checkpoint, compile, ema
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Loss",
+    "accumulate",
+    "autocast",
+    "checkpoint",
+    "compile",
+    "ema",
     "Step",
     "TrainState",
     "apply",

@@ -192,8 +192,14 @@ class Step:
         aux: dict[str, torch.Tensor] = {}
         for mb in micro:
             loss = self.forward(p_in, mb)
-            objective = loss.total if scale is None else loss.total * scale
-            g = torch.autograd.grad(objective, leaves, allow_unused=True)
+            if scale is None:
+                g = torch.autograd.grad(loss.total, leaves, allow_unused=True)
+            else:
+                # fp16: backpropagate the scaled *mean* so activation gradients stay in fp16's
+                # range whatever the token count, then weight by the count to get the sum.
+                n = loss.count.detach().to(torch.float32).clamp_min(1.0)
+                g = torch.autograd.grad(loss.total * (scale / n), leaves, allow_unused=True)
+                torch._foreach_mul_([x for x in g if x is not None], n)
             if grads is None:  # the one gradient buffer; later micro-batches add into it
                 grads = [gi if gi is not None else torch.zeros_like(p) for gi, p in zip(g, leaves)]
             else:
