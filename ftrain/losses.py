@@ -8,7 +8,6 @@ counts, and the division happens once, over the whole batch.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from types import MappingProxyType
 from typing import NamedTuple
 
 import torch
@@ -16,16 +15,14 @@ import torch.nn.functional as F
 
 __all__ = ["Loss", "cross_entropy", "as_loss"]
 
-_EMPTY: Mapping[str, torch.Tensor] = MappingProxyType({})
-
-
 class Loss(NamedTuple):
     """A loss declared as ``total / count``.
 
     Attributes:
         total: 0-d tensor, the *sum* of per-example (or per-token) losses.
         count: 0-d tensor, what ``total`` is normalized by (e.g. the number of valid tokens).
-        aux: mapping of extra 0-d tensors reported as metrics (not differentiated), e.g. accuracy.
+        aux: mapping of extra 0-d tensors reported as metrics (not differentiated), e.g. accuracy;
+            None means none.
 
     The value that is minimized is ``total / count`` over the whole batch, however the batch is
     split across micro-batches or processes.
@@ -33,7 +30,7 @@ class Loss(NamedTuple):
 
     total: torch.Tensor
     count: torch.Tensor
-    aux: Mapping[str, torch.Tensor] = _EMPTY
+    aux: Mapping[str, torch.Tensor] | None = None
 
     @property
     def value(self) -> torch.Tensor:
@@ -87,7 +84,7 @@ def as_loss(out, batch) -> Loss:
     Accepted: a :class:`Loss`; a 0-d tensor (a mean over the batch rows, so ``count`` is the
     number of rows); a ``(loss, aux)`` pair where ``loss`` is either of those.
     """
-    aux = _EMPTY
+    aux = {}
     if isinstance(out, tuple) and not isinstance(out, Loss):
         if len(out) != 2:
             raise TypeError(
@@ -97,7 +94,7 @@ def as_loss(out, batch) -> Loss:
         out, aux = out
     if isinstance(out, Loss):
         total, count = out.total, out.count
-        aux = {**out.aux, **aux}
+        aux = {**(out.aux or {}), **aux}
     elif isinstance(out, torch.Tensor):
         if out.dim() != 0:
             raise ValueError(
