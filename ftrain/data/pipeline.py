@@ -1,0 +1,424 @@
+"""`loader`: a `torchdata.nodes` graph with an exact, JSON-serializable resume state.
+
+    order(epoch) -> indices -> ParallelMapper(dataset[i], workers, in order) -> Batcher
+        -> collate -> PinMemory (CUDA only) -> Prefetcher -> .to(device, non_blocking=True)
+
+The order of samples is a pure function of (seed, epoch) (see `ftrain.data.order`), the
+workers return results in order, and the batches are cut from that one stream; so a batch is
+fixed by its position alone, and the loader's state is just that position: `{"epoch", "sample"}`.
+Resuming restarts the graph at the position, never replays or skips anything, and works with a
+different number of workers, prefetch depth or device.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from torchdata.nodes import (
+    BaseNode,
+    Batcher,
+    Mapper,
+    ParallelMapper,
+    PinMemory,
+    Prefetcher,
+)
+
+from ftrain.data.collate import stack_collate
+from ftrain.data.order import BucketByLength, Sequential, Shuffled
+
+__all__ = ["Loader", "loader"]
+
+STATE_FORMAT = "ftrain.data.loader/1"
+Batch = dict[str, torch.Tensor]
+
+
+class _OrderNode(BaseNode[int]):
+    """Source node: the indices of `order(epoch)` from a start position; no state of its own.
+
+    Yields the first `per_epoch` indices of each epoch's order; stops at the end of the epoch,
+    or goes on to the next epoch when `infinite`.
+    """
+
+    def __init__(self, order: Callable[[int], np.ndarray], per_epoch: int, infinite: bool):
+        super().__init__()
+        self.order, self.per_epoch, self.infinite = order, per_epoch, infinite
+        self.start = (0, 0)  # set by Loader before each reset
+
+    def reset(self, initial_state: dict | None = None):
+        super().reset(initial_state)
+        if initial_state is not None:  # torchdata's snapshots (never used by Loader's resume)
+            self.epoch, self.sample = initial_state["epoch"], initial_state["sample"]
+        else:
+            self.epoch, self.sample = self.start
+        self._indices: np.ndarray | None = None
+
+    def next(self) -> int:
+        if self.sample >= self.per_epoch:
+            if not self.infinite:
+                raise StopIteration
+            self.epoch, self.sample, self._indices = self.epoch + 1, 0, None
+        if self._indices is None:
+            self._indices = self.order(self.epoch)
+        i = int(self._indices[self.sample])
+        self.sample += 1
+        return i
+
+    def get_state(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "sample": self.sample}
+
+
+def _to_device(batch: Mapping[str, Any], device: torch.device) -> Batch:
+    # non_blocking: from pinned memory the copy is asynchronous; the next use of the tensor on
+    # `device` waits for it on the stream, so there is no host sync here.
+    return {
+        k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+        for k, v in batch.items()
+    }
+
+
+class Loader:
+    """Iterable batches from a map-style dataset with an exact resume state. Build it with `loader`.
+
+    Position: `(epoch, sample)`, the next sample of `order(epoch)` to read. Each `iter(loader)`
+    continues from the position: to the end of the epoch (then the position is the next epoch's
+    start), or forever with `infinite=True`. So `for epoch in range(3): for batch in loader:`
+    runs three successive epochs, and a training loop for `max_steps` builds it with
+    `infinite=True` and calls `next()` on one iterator.
+
+    `state_dict()` after receiving k batches is the position after those k batches; a loader
+    given it by `load_state_dict` yields batch k + 1 onwards, exactly as an uninterrupted loader.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int,
+        *,
+        num_workers: int,
+        pin_memory: bool,
+        prefetch: int,
+        device: torch.device,
+        seed: int,
+        drop_last: bool,
+        order: Callable[[int], np.ndarray],
+        collate: Callable[[list], Batch],
+        infinite: bool,
+        worker_method: Literal["thread", "process"],
+    ):
+        self.dataset, self.batch_size, self.device = dataset, batch_size, device
+        self.num_workers, self.prefetch, self.seed = num_workers, prefetch, seed
+        self.drop_last, self.infinite, self.order, self.collate = (
+            drop_last,
+            infinite,
+            order,
+            collate,
+        )
+        n = len(dataset)
+        self.num_samples = n
+        # samples used per epoch: with drop_last, the tail that does not fill a batch is skipped
+        self.samples_per_epoch = n - n % batch_size if drop_last else n
+        self.pin_memory = pin_memory and device.type == "cuda"
+        self._epoch, self._sample = 0, 0
+        self._active: object | None = None
+
+        # The graph, in the order the data flows (torchtitan-style: one place, fixed order).
+        node: BaseNode = _OrderNode(order, self.samples_per_epoch, infinite)
+        self._source = node
+        # in_order=True: the workers' results come out in the sampler's order, so the batches
+        # do not depend on the number of workers or on which one finishes first.
+        node = ParallelMapper(
+            node, dataset.__getitem__, num_workers=num_workers, in_order=True, method=worker_method
+        )
+        # drop_last=False here: the order node already left out the tail that drop_last drops.
+        node = Batcher(node, batch_size, drop_last=False)
+        node = Mapper(node, collate)
+        if self.pin_memory:  # page-locked host memory: the host-to-device copy can run async
+            node = PinMemory(node)
+        if prefetch > 0:  # a background thread keeps `prefetch` batches ready
+            node = Prefetcher(node, prefetch_factor=prefetch)
+        if device.type != "cpu":
+            node = Mapper(node, functools.partial(_to_device, device=device))
+        self._root = node
+
+    # -- position ---------------------------------------------------------------------------
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the next batch."""
+        return self._epoch
+
+    @property
+    def sample(self) -> int:
+        """How many samples of the current epoch's order were already delivered."""
+        return self._sample
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Batches in one epoch (a last partial batch counted, when `drop_last=False`)."""
+        return -(-self.samples_per_epoch // self.batch_size)
+
+    def __len__(self) -> int:
+        """Batches in a full epoch (`batches_per_epoch`); an infinite loader has no length."""
+        if self.infinite:
+            raise TypeError("an infinite loader has no len(); use loader.batches_per_epoch")
+        return self.batches_per_epoch
+
+    def _advance(self) -> None:
+        m, B = self.samples_per_epoch, self.batch_size
+        if self.infinite:  # one stream of epochs: a batch may end one epoch and start the next
+            self._epoch, self._sample = divmod(self._epoch * m + self._sample + B, m)
+        else:
+            self._sample += min(B, m - self._sample)
+            if self._sample >= m:
+                self._epoch, self._sample = self._epoch + 1, 0
+
+    # -- iteration --------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Batch]:
+        token = object()
+        self._active = token
+        self._source.start = (self._epoch, self._sample)
+        self._root.reset()  # restarts every node (and its threads) at the current position
+        return self._batches(token)
+
+    def _batches(self, token: object) -> Iterator[Batch]:
+        while True:
+            if self._active is not token:
+                raise RuntimeError(
+                    "Loader: a newer iter(loader) replaced this iterator; use one iterator at a "
+                    "time (loader positions are shared)"
+                )
+            try:
+                batch = next(self._root)
+            except StopIteration:
+                return
+            self._advance()
+            yield batch
+
+    # -- state ------------------------------------------------------------------------------
+
+    def _config(self) -> dict[str, Any]:
+        return {
+            "num_samples": self.num_samples,
+            "batch_size": self.batch_size,
+            "drop_last": self.drop_last,
+            "order": getattr(self.order, "key", type(self.order).__qualname__),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position after the last batch delivered, plus what must match to resume.
+
+        Plain ints, strings and bools: `json.loads(json.dumps(sd))` loads back unchanged.
+        """
+        return {
+            "format": STATE_FORMAT,
+            "epoch": self._epoch,
+            "sample": self._sample,
+            "config": self._config(),
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], *, strict: bool = True) -> None:
+        """Move to the saved position; the next `iter(loader)` starts there.
+
+        With `strict=True` (the default) the dataset size, batch size, drop_last and order (its
+        kind and seed) must be those of the loader that saved it, since otherwise the batches
+        would differ; a ValueError lists what differs. `strict=False` resumes at the same
+        (epoch, sample) anyway. Workers, prefetch, pin_memory and device may always differ.
+        """
+        if not isinstance(state_dict, Mapping) or state_dict.get("format") != STATE_FORMAT:
+            raise ValueError(
+                f"Loader.load_state_dict: not a loader state (expected format {STATE_FORMAT!r}, "
+                f"got {state_dict!r:.120}); pass what Loader.state_dict() returned"
+            )
+        epoch, sample = state_dict.get("epoch"), state_dict.get("sample")
+        if not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (epoch, sample)
+        ):
+            raise ValueError(
+                f"Loader.load_state_dict: epoch and sample must be ints >= 0, got {epoch!r}, {sample!r}"
+            )
+        if strict:
+            saved, mine = state_dict.get("config", {}), self._config()
+            diff = {k: (saved.get(k), v) for k, v in mine.items() if saved.get(k) != v}
+            if diff:
+                lines = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in diff.items())
+                raise ValueError(
+                    f"Loader.load_state_dict: the state comes from a different loader ({lines}); "
+                    "build the loader as it was to resume exactly, or pass strict=False to "
+                    "resume at the same epoch and sample anyway"
+                )
+        if sample >= self.samples_per_epoch:
+            epoch, sample = epoch + 1, 0
+        self._epoch, self._sample = epoch, sample
+        self._active = None  # an iterator started before this no longer matches the position
+
+    def __repr__(self) -> str:
+        return (
+            f"Loader({type(self.dataset).__name__} of {self.num_samples}, batch_size="
+            f"{self.batch_size}, workers={self.num_workers}, device={self.device}, "
+            f"epoch={self._epoch}, sample={self._sample})"
+        )
+
+
+def loader(
+    dataset: Any,
+    batch_size: int,
+    *,
+    num_workers: int = 0,
+    pin_memory: bool = True,
+    prefetch: int = 2,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    drop_last: bool = True,
+    order: str | Callable[[int], np.ndarray] = "shuffle",
+    collate: Callable[[list], Batch] | None = None,
+    infinite: bool = False,
+    worker_method: Literal["thread", "process"] = "thread",
+) -> Loader:
+    """Batches of `dataset` through a `torchdata.nodes` graph, resumable exactly.
+
+    Guarantees:
+      - Determinism: the batches depend only on the dataset, `batch_size`, `seed`, `order` and
+        `drop_last`; never on `num_workers`, `prefetch`, `pin_memory`, `device` or timing.
+      - Coverage: with the default order each epoch is a permutation of the dataset: every
+        sample once (with `drop_last=True` the `len(dataset) % batch_size` samples that do not
+        fill a batch sit out that epoch; which ones changes each epoch).
+      - Resume: `state_dict()` is JSON-serializable; `load_state_dict` on a fresh loader (any
+        number of workers) continues with exactly the batches the first one would have given,
+        mid-epoch or across epoch boundaries.
+      - Device: batches arrive on `device`, copied with `non_blocking=True`; host memory is
+        pinned first only if `pin_memory` and `device` is CUDA (elsewhere it is skipped).
+      - Checks happen here, not during iteration: arguments, an empty dataset, a first example
+        that is not a dict of tensors, an order that is not n indices in range.
+
+    Args:
+        dataset: map-style: `len(dataset)` and `dataset[i] -> dict of tensors`.
+        batch_size: examples per batch.
+        num_workers: threads (or processes) that call `dataset[i]`; 0 reads in the iterating
+            thread's pipeline without extra workers.
+        pin_memory: pin host memory before a CUDA copy (ignored for other devices).
+        prefetch: batches kept ready by a background thread (0: none).
+        device: where the batches go.
+        seed: seeds the order (a new permutation each epoch, drawn from (seed, epoch)).
+        drop_last: skip the last partial batch of each epoch.
+        order: "shuffle" (default), "sequential", "length" (length-bucketed, needs
+            `dataset.lengths`; see `bucket_by_length`), or a callable `epoch -> n indices`.
+        collate: examples -> batch; default `dataset.collate` if the dataset has one, else
+            `stack_collate`.
+        infinite: one iteration never ends; epochs follow each other in one stream.
+        worker_method: "thread" (default; numpy and torch release the GIL) or "process"
+            (the dataset must pickle).
+
+    Example:
+        >>> import torch
+        >>> ds = [{"x": torch.tensor([i])} for i in range(10)]
+        >>> ld = loader(ds, 4, seed=0)
+        >>> [b["x"].shape for b in ld]
+        [torch.Size([4, 1]), torch.Size([4, 1])]
+        >>> ld.epoch, ld.state_dict()["sample"]
+        (1, 0)
+    """
+    who = "loader"
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"{who}: batch_size must be a positive int, got {batch_size!r}")
+    if not isinstance(num_workers, int) or num_workers < 0:
+        raise ValueError(f"{who}: num_workers must be an int >= 0, got {num_workers!r}")
+    if not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"{who}: prefetch must be an int >= 0 (0: no prefetch), got {prefetch!r}")
+    if not isinstance(seed, int) or not 0 <= seed < 2**32:
+        raise ValueError(f"{who}: seed must be an int in [0, 2**32), got {seed!r}")
+    if worker_method not in ("thread", "process"):
+        raise ValueError(
+            f"{who}: worker_method must be 'thread' or 'process', got {worker_method!r}"
+        )
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"{who}: device {device!r} is not a torch device ({e})") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{who}: device={device!r} but CUDA is not available; use device='cpu'")
+    if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+        raise TypeError(
+            f"{who}: dataset must be map-style (len(dataset) and dataset[i]), got "
+            f"{type(dataset).__name__}"
+        )
+    n = len(dataset)
+    if n == 0:
+        raise ValueError(f"{who}: the dataset is empty")
+    if drop_last and n < batch_size:
+        raise ValueError(
+            f"{who}: batch_size={batch_size} is larger than the dataset ({n} samples) and "
+            "drop_last=True, so there would be no batch; lower batch_size or pass drop_last=False"
+        )
+
+    order_fn = _make_order(order, dataset, n, batch_size, seed)
+    collate_fn = collate if collate is not None else getattr(dataset, "collate", stack_collate)
+    if not callable(collate_fn):
+        raise TypeError(f"{who}: collate must be callable, got {collate_fn!r:.80}")
+    lengths = getattr(dataset, "lengths", None)
+    if collate_fn is stack_collate and lengths is not None and len(set(np.asarray(lengths))) > 1:
+        raise ValueError(
+            f"{who}: the examples have different lengths (dataset.lengths), which stack_collate "
+            "cannot stack; pass collate=ftrain.data.PadCollate()"
+        )
+    # Read one example now so that a dataset or collate that cannot work fails here.
+    first = dataset[int(order_fn(0)[0])]
+    if not isinstance(first, Mapping) or not all(isinstance(k, str) for k in first):
+        raise TypeError(
+            f"{who}: dataset[i] must be a dict of tensors (str -> Tensor), got "
+            f"{type(first).__name__}"
+        )
+    collate_fn([first])
+
+    return Loader(
+        dataset,
+        batch_size,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        prefetch=prefetch,
+        device=dev,
+        seed=seed,
+        drop_last=drop_last,
+        order=order_fn,
+        collate=collate_fn,
+        infinite=infinite,
+        worker_method=worker_method,
+    )
+
+
+def _make_order(order, dataset, n: int, batch_size: int, seed: int) -> Callable[[int], np.ndarray]:
+    who = "loader"
+    if order == "shuffle":
+        return Shuffled(n, seed)
+    if order == "sequential":
+        return Sequential(n)
+    if order == "length":
+        lengths = getattr(dataset, "lengths", None)
+        if lengths is None or len(lengths) != n:
+            raise ValueError(
+                f"{who}: order='length' needs dataset.lengths, one length per example ({n}); "
+                f"{type(dataset).__name__} has {'none' if lengths is None else len(lengths)}. "
+                "Use ftrain.data.DocumentDataset or add a lengths attribute"
+            )
+        return BucketByLength(np.asarray(lengths), batch_size, seed)
+    if isinstance(order, str) or not callable(order):
+        raise ValueError(
+            f"{who}: order must be 'shuffle', 'sequential', 'length' or a callable "
+            f"epoch -> indices, got {order!r}"
+        )
+    if isinstance(order, BucketByLength) and order.batch_size != batch_size:
+        raise ValueError(
+            f"{who}: the bucket_by_length order was built for batch_size={order.batch_size}, "
+            f"the loader has batch_size={batch_size}; build both with the same batch_size"
+        )
+    idx = np.asarray(order(0))
+    if idx.shape != (n,) or idx.dtype.kind not in "iu" or idx.min() < 0 or idx.max() >= n:
+        raise ValueError(
+            f"{who}: order(epoch) must return {n} int indices in [0, {n}), one per sample; "
+            f"order(0) gave shape {idx.shape} {idx.dtype}"
+        )
+    return order
