@@ -1,0 +1,23 @@
+"""Models for ftrain: a nanoGPT-style GPT (optionally mixture-of-experts), sampling, FLOP counts.
+
+Any ``nn.Module`` works with ftrain; these are the ones the ``ftrain`` command and the tests use.
+"""
+
+from ftrain.models.flops import flops_per_token, matmul_params_per_token, num_params
+from ftrain.models.gpt import GPT, MLP, Block, CausalSelfAttention, GPTConfig, MoE
+from ftrain.models.hf import tiny_gpt2
+from ftrain.models.sample import generate
+
+__all__ = [
+    "GPT",
+    "GPTConfig",
+    "Block",
+    "CausalSelfAttention",
+    "MLP",
+    "MoE",
+    "generate",
+    "num_params",
+    "flops_per_token",
+    "matmul_params_per_token",
+    "tiny_gpt2",
+]
