@@ -303,11 +303,14 @@ class GPT(nn.Module):
         Returns ``logits`` (B, T, vocab_size), or with ``return_aux=True`` the pair
         ``(logits, aux)`` where ``aux`` is a dict of 0-d tensors to add to the loss:
         ``{"moe_aux_loss": aux_loss_weight * mean over MoE blocks of the balance loss}`` for a
-        mixture-of-experts model, ``{}`` for a dense one. A loss function would do::
+        mixture-of-experts model, ``{}`` for a dense one. It is a mean-type loss that the loss
+        function must add itself (``ft.Loss.aux`` is reported, not differentiated)::
 
-            logits, aux = model(batch["input"], return_aux=True)
-            loss = F.cross_entropy(logits.flatten(0, 1), batch["target"].flatten())
-            loss = loss + sum(aux.values())
+            def loss_fn(params, batch):
+                logits, aux = ft.apply(model, params, batch["input"], return_aux=True)
+                ce = ft.losses.cross_entropy(logits, batch["target"])
+                moe = sum(aux.values(), torch.zeros(()))
+                return ft.Loss(ce.total + moe * ce.count, ce.count, {"moe_aux_loss": moe.detach()})
         """
         if idx.dim() != 2:
             raise ValueError(
