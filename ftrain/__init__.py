@@ -9,9 +9,9 @@ step into a step::
     state, metrics = step(state, batch)
 """
 
-from ftrain import losses, optim
+from ftrain import data, distributed, losses, models, optim
 from ftrain.losses import Loss
-from ftrain.state import TrainState, apply, buffers_of, params_of
+from ftrain.state import TrainState, apply, buffers_of, params_of, state_dict_of
 from ftrain.step import Step, train_step, wrap
 from ftrain.transforms import accumulate, autocast, checkpoint, compile, ema
 
@@ -31,6 +31,10 @@ __all__ = [
     "losses",
     "optim",
     "params_of",
+    "state_dict_of",
+    "data",
+    "distributed",
+    "models",
     "train_step",
     "wrap",
 ]

@@ -16,7 +16,7 @@ from torch import nn
 
 from ftrain import _tree
 
-__all__ = ["params_of", "buffers_of", "apply", "TrainState", "module_hooks"]
+__all__ = ["params_of", "buffers_of", "apply", "state_dict_of", "TrainState", "module_hooks"]
 
 
 def params_of(module: nn.Module) -> TensorDict:
@@ -35,6 +35,13 @@ def buffers_of(module: nn.Module) -> TensorDict:
     """A detached copy of ``module``'s buffers (running statistics, masks) as a nested TensorDict."""
     _check_module(module, "buffers_of")
     return _tree.from_flat({k: v.detach().clone() for k, v in module.named_buffers()})
+
+
+def state_dict_of(params: TensorDictBase) -> dict[str, torch.Tensor]:
+    """``{"blocks.0.attn.qkv.weight": tensor, ...}``: params as a flat dict with the module's own
+    names, ready for ``module.load_state_dict(..., strict=False)`` (strict=False because tied
+    duplicates appear once). The tensors are shared, not copied."""
+    return _tree.to_flat(params)
 
 
 def _check_module(module: object, fn: str) -> None:

@@ -1,0 +1,7 @@
+"""``python -m ftrain`` (and ``torchrun -m ftrain``) is the ``ftrain`` command."""
+
+import sys
+
+from ftrain.cli import main
+
+sys.exit(main())

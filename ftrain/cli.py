@@ -1,0 +1,66 @@
+"""The ``ftrain`` command: ``ftrain train`` and ``ftrain sample``.
+
+Bad flags get argparse's usage message and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ftrain.config import add_arguments, from_args
+
+__all__ = ["main", "parser"]
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command-line parser (``ftrain --help``)."""
+    p = argparse.ArgumentParser(
+        prog="ftrain", description="Functional training for PyTorch: the main job and tools."
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="{train,sample}")
+    t = sub.add_parser(
+        "train",
+        help="train a byte-level GPT on the Python standard library",
+        description="Train a byte-level GPT on the built-in corpus (the Python standard library). "
+        "Every setting is a flag and a key of --config FILE.toml; flags win.",
+    )
+    add_arguments(t)
+    s = sub.add_parser("sample", help="generate text from a run's newest checkpoint")
+    s.add_argument("--run", required=True, metavar="DIR", help="run directory or checkpoint")
+    s.add_argument("--prompt", default="def ", help="text to continue (default: 'def ')")
+    s.add_argument("--max-new-tokens", type=int, default=200, metavar="N")
+    s.add_argument("--temperature", type=float, default=0.8, metavar="T")
+    s.add_argument("--top-k", type=int, default=50, metavar="K", help="0 = no top-k filter")
+    s.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command; returns the exit status (130 after a Ctrl-C that saved a checkpoint)."""
+    p = parser()
+    ns = p.parse_args(argv)
+    if ns.command == "train":
+        sub = p._subparsers._group_actions[0].choices["train"]  # for error messages
+        try:
+            cfg = from_args(ns)
+        except ValueError as e:
+            sub.error(str(e))
+        from ftrain.train import train
+
+        summary = train(cfg)
+        return 130 if summary.get("interrupted") else 0
+    if ns.command == "sample":
+        if ns.max_new_tokens < 1 or ns.temperature < 0 or ns.top_k < 0:
+            p.error("sample: --max-new-tokens >= 1, --temperature >= 0 and --top-k >= 0")
+        from ftrain.train import sample
+
+        print(
+            sample(ns.run, ns.prompt, ns.max_new_tokens, ns.temperature, ns.top_k or None, ns.seed)
+        )
+        return 0
+    return 2  # pragma: no cover
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""The main job's settings: one dataclass, one flag per field, and TOML files with the same keys.
+
+Each field documents itself in ``metadata["help"]``; the command line is generated from them, so a
+flag and its config key can never drift apart (``--d-model`` <-> ``d_model``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import typing
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+__all__ = ["TrainConfig", "add_arguments", "from_args", "load_toml"]
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+CHECKPOINT_POLICIES = ("none", "blocks", "selective")
+SCHEDULES = ("cosine", "constant", "linear", "wsd", "inverse_sqrt")
+SHARD_STRATEGIES = ("none", "ddp", "zero1", "zero2", "fsdp")
+
+
+def _f(default, help: str, **kw):
+    return dataclasses.field(default=default, metadata={"help": help, **kw})
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Everything ``ftrain train`` needs. Defaults train a byte-level GPT on the Python standard
+    library in a few minutes on a 2-core CPU."""
+
+    # -- run ------------------------------------------------------------------------------------
+    out: str | None = _f(None, "run directory (default: runs/<date-time>)", metavar="DIR")
+    resume: bool = _f(False, "continue from the newest valid checkpoint in --out")
+    config: str | None = _f(None, "TOML file with these settings (flags override it)")
+    seed: int = _f(0, "seed for init, data order and dropout")
+    max_steps: int = _f(600, "optimizer steps to train for")
+    # -- model ----------------------------------------------------------------------------------
+    seq_len: int = _f(128, "context length in bytes")
+    d_model: int = _f(128, "width of the residual stream")
+    n_layer: int = _f(4, "transformer blocks")
+    n_head: int = _f(4, "attention heads (d_model must divide by it)")
+    dropout: float = _f(0.0, "dropout probability")
+    n_experts: int = _f(0, "mixture-of-experts feed-forward with this many experts (0 = dense)")
+    top_k: int = _f(1, "experts per token when n_experts > 0")
+    # -- batch ----------------------------------------------------------------------------------
+    batch_size: int = _f(16, "rows per micro-batch per process (one forward/backward)")
+    micro_batches: int = _f(1, "micro-batches accumulated per optimizer step")
+    global_batch_size: int | None = _f(
+        None,
+        "rows per optimizer step over all processes; sets micro_batches = "
+        "global / (batch_size * world_size)",
+    )
+    # -- transforms -----------------------------------------------------------------------------
+    checkpoint_policy: str = _f("none", "activation checkpointing", choices=CHECKPOINT_POLICIES)
+    precision: str = _f("fp32", "forward precision (params stay fp32)", choices=PRECISIONS)
+    compile: bool = _f(False, "torch.compile the whole step (slow to start on a CPU)")
+    shard: str = _f("none", "data parallelism under torchrun", choices=SHARD_STRATEGIES)
+    # -- optimizer ------------------------------------------------------------------------------
+    optimizer: str = _f("adamw", "optimizer (ftrain.optim alias)")
+    lr: float = _f(3e-3, "peak learning rate")
+    lr_schedule: str = _f("cosine", "learning-rate schedule", choices=SCHEDULES)
+    warmup: int = _f(50, "warmup steps")
+    decay_steps: int | None = _f(
+        None, "length of the schedule (default: max_steps); set it to stop early and resume later"
+    )
+    weight_decay: float = _f(0.1, "weight decay (matrices only; not biases or norms)")
+    clip_grad: float = _f(1.0, "clip the global gradient norm to this (0 = off)")
+    # -- data -----------------------------------------------------------------------------------
+    data_dir: str | None = _f(
+        None, "token cache (default: $FTRAIN_CACHE or ~/.cache/ftrain)/stdlib", metavar="DIR"
+    )
+    num_workers: int = _f(0, "loader worker threads")
+    # -- logging, evaluation, checkpoints --------------------------------------------------------
+    log_every: int = _f(10, "steps between metrics.jsonl lines (each is one host sync)")
+    eval_every: int = _f(100, "steps between validation losses (0 = off)")
+    eval_batches: int = _f(8, "validation batches per evaluation")
+    save_every: int = _f(200, "steps between checkpoints (0 = only at the end)")
+    keep: int = _f(3, "checkpoints to keep")
+    sample_tokens: int = _f(200, "bytes to generate at the end (0 = none)")
+    progress: bool = _f(True, "show a progress bar")
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the setting and the legal values for any bad one."""
+        positive = (
+            "max_steps",
+            "seq_len",
+            "d_model",
+            "n_layer",
+            "n_head",
+            "batch_size",
+            "micro_batches",
+            "log_every",
+            "eval_batches",
+            "keep",
+        )
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{_flag(name)} must be >= 1, got {getattr(self, name)}")
+        for name in (
+            "eval_every",
+            "save_every",
+            "warmup",
+            "sample_tokens",
+            "num_workers",
+            "n_experts",
+        ):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
+        if self.d_model % self.n_head:
+            raise ValueError(
+                f"--d-model ({self.d_model}) must be divisible by --n-head ({self.n_head})"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"--dropout must be in [0, 1), got {self.dropout}")
+        if self.lr <= 0:
+            raise ValueError(f"--lr must be > 0, got {self.lr}")
+        if self.weight_decay < 0 or self.clip_grad < 0:
+            raise ValueError("--weight-decay and --clip-grad must be >= 0")
+        if self.global_batch_size is not None and self.global_batch_size < 1:
+            raise ValueError(f"--global-batch-size must be >= 1, got {self.global_batch_size}")
+        if self.n_experts and not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"--top-k must be in [1, --n-experts], got {self.top_k}")
+        for name, legal in (
+            ("precision", PRECISIONS),
+            ("checkpoint_policy", CHECKPOINT_POLICIES),
+            ("lr_schedule", SCHEDULES),
+            ("shard", SHARD_STRATEGIES),
+        ):
+            if getattr(self, name) not in legal:
+                raise ValueError(
+                    f"--{_flag(name)} must be one of {legal}, got {getattr(self, name)!r}"
+                )
+        from ftrain.optim import OPTIMIZERS
+
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(
+                f"--optimizer must be one of {sorted(OPTIMIZERS)}, got {self.optimizer!r}"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+_HINTS = typing.get_type_hints(TrainConfig)
+
+
+def _base_type(t) -> type:
+    """``int`` for ``int`` and ``int | None``."""
+    args = [a for a in typing.get_args(t) if a is not type(None)]
+    return args[0] if args else t
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per :class:`TrainConfig` field. Defaults are left unset (``SUPPRESS``) so that a
+    config file's values apply unless a flag is given."""
+    for f in dataclasses.fields(TrainConfig):
+        meta = dict(f.metadata)
+        help_text = meta.pop("help")
+        default = f.default
+        kw: dict[str, Any] = {"default": argparse.SUPPRESS, "dest": f.name}
+        typ = _base_type(_HINTS[f.name])
+        if typ is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+            kw["help"] = f"{help_text} (default: {'on' if default else 'off'})"
+        else:
+            kw["type"] = typ
+            kw["help"] = f"{help_text} (default: {default})"
+            kw.update(meta)
+        parser.add_argument(f"--{_flag(f.name)}", **kw)
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    """The settings in a TOML file (flat keys, as the fields are named; dashes allowed).
+
+    Unknown keys are an error that lists the known ones.
+    """
+    try:
+        with open(path, "rb") as fh:
+            raw = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ValueError(f"--config {path}: no such file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"--config {path}: not valid TOML: {e}") from None
+    out = {}
+    for key, value in raw.items():
+        name = key.replace("-", "_")
+        if name not in _FIELDS or name == "config":
+            raise ValueError(
+                f"--config {path}: unknown setting {key!r}; known: "
+                f"{', '.join(sorted(n for n in _FIELDS if n != 'config'))}"
+            )
+        out[name] = value
+    return out
+
+
+def from_args(ns: argparse.Namespace) -> TrainConfig:
+    """Defaults, then the ``--config`` file, then the flags given; validated."""
+    given = vars(ns)
+    values: dict[str, Any] = {}
+    if given.get("config"):
+        values.update(load_toml(given["config"]))
+    values.update({k: v for k, v in given.items() if k in _FIELDS})
+    cfg = TrainConfig(**values)
+    cfg.validate()
+    return cfg
