@@ -125,21 +125,28 @@ class Loader:
         self._epoch, self._sample = 0, 0
         self._active: object | None = None
 
-        # The graph, in the order the data flows (torchtitan-style: one place, fixed order).
+        # The graph, in the order the data flows. snapshot_frequency=0: torchdata's own resume
+        # (a snapshot of the upstream state after every item) would be wasted work, since a
+        # position is all this loader needs to resume.
         node: BaseNode = _OrderNode(order, self.samples_per_epoch, infinite)
         self._source = node
         # in_order=True: the workers' results come out in the sampler's order, so the batches
         # do not depend on the number of workers or on which one finishes first.
         node = ParallelMapper(
-            node, dataset.__getitem__, num_workers=num_workers, in_order=True, method=worker_method
+            node,
+            dataset.__getitem__,
+            num_workers=num_workers,
+            in_order=True,
+            method=worker_method,
+            snapshot_frequency=0,
         )
         # drop_last=False here: the order node already left out the tail that drop_last drops.
         node = Batcher(node, batch_size, drop_last=False)
         node = Mapper(node, collate)
         if self.pin_memory:  # page-locked host memory: the host-to-device copy can run async
-            node = PinMemory(node)
+            node = PinMemory(node, snapshot_frequency=0)
         if prefetch > 0:  # a background thread keeps `prefetch` batches ready
-            node = Prefetcher(node, prefetch_factor=prefetch)
+            node = Prefetcher(node, prefetch_factor=prefetch, snapshot_frequency=0)
         if device.type != "cpu":
             node = Mapper(node, functools.partial(_to_device, device=device))
         self._root = node

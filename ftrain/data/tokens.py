@@ -436,7 +436,8 @@ class _Build:
     @property
     def tokens(self) -> np.ndarray:
         if self._tokens is None:  # opened lazily, so a pickled dataset reopens its own map
-            self._tokens = np.memmap(self.path / TOKENS_FILE, dtype=self.dtype, mode="r")
+            mapped = np.memmap(self.path / TOKENS_FILE, dtype=self.dtype, mode="r")
+            self._tokens = mapped.view(np.ndarray)  # plain ndarray: no Python-level __getitem__
         return self._tokens
 
     def __getstate__(self) -> dict:
@@ -455,6 +456,11 @@ class _Build:
                 "larger corpus"
             )
         return docs
+
+
+def _load_mapped(path: Path) -> np.ndarray:
+    """A memory-mapped .npy as a plain ndarray view (np.memmap indexing runs Python code)."""
+    return np.load(path, mmap_mode="r", allow_pickle=False).view(np.ndarray)
 
 
 def _read(tokens: np.ndarray, start: int, stop: int) -> np.ndarray:
@@ -549,8 +555,9 @@ class TokenDataset:
         folder = self.path / INDEX_DIR
         names = ("doc_idx", "sample_idx", "shuffle_idx")
         files = [folder / f"{key}.{n}.npy" for n in names]
+        self._index_files = files
         try:
-            arrays = tuple(np.load(f, mmap_mode="r", allow_pickle=False) for f in files)
+            arrays = tuple(_load_mapped(f) for f in files)
             if self._indices_ok(sizes, *arrays):
                 return arrays  # type: ignore[return-value]
         except (OSError, ValueError):
@@ -562,19 +569,20 @@ class TokenDataset:
             with open(tmp, "wb") as fh:
                 np.save(fh, a, allow_pickle=False)
             os.replace(tmp, f)
-        return tuple(np.load(f, mmap_mode="r", allow_pickle=False) for f in files)  # type: ignore[return-value]
+        return tuple(_load_mapped(f) for f in files)  # type: ignore[return-value]
 
     def __getstate__(self) -> dict:
         # For process workers: send the index file names, not the (memory-mapped) indices.
         state = self.__dict__.copy()
         for name in ("_doc_idx", "_sample_idx", "_shuffle_idx"):
-            state[name] = state[name].filename
+            state[name] = None
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        for name in ("_doc_idx", "_sample_idx", "_shuffle_idx"):
-            setattr(self, name, np.load(state[name], mmap_mode="r", allow_pickle=False))
+        names = ("_doc_idx", "_sample_idx", "_shuffle_idx")
+        for name, f in zip(names, self._index_files, strict=True):
+            setattr(self, name, _load_mapped(f))
 
     def _indices_ok(self, sizes, doc_idx, sample_idx, shuffle_idx) -> bool:
         n_samples = (self.num_epochs * self.tokens_per_epoch - 1) // self.seq_len
