@@ -54,6 +54,10 @@ _SHAPES: weakref.WeakKeyDictionary[nn.Module, dict[str, torch.Size]] = weakref.W
 
 
 def _param_shapes(module: nn.Module) -> dict[str, torch.Size]:
+    if torch.compiler.is_compiling():
+        # Not through the cache: dynamo would guard on the cache's contents, and the entry this
+        # call adds would fail that guard and recompile the step on its next call.
+        return {k: v.shape for k, v in module.named_parameters()}
     shapes = _SHAPES.get(module)
     if shapes is None:
         shapes = {k: v.shape for k, v in module.named_parameters()}
