@@ -49,9 +49,12 @@ class LossScaler(Protocol):
 
 
 class GradReducer(Protocol):
-    """What ``ft.shard`` plugs into a step: sums across processes, in place."""
+    """What ``ft.shard`` plugs into a step: sums across processes, in place. A reducer that
+    changes the gradients' layout (ZeRO-2 keeps each process's shard) returns the new list."""
 
-    def reduce(self, grads: list[torch.Tensor], sums: torch.Tensor) -> None: ...
+    def reduce(
+        self, grads: list[torch.Tensor], sums: torch.Tensor
+    ) -> list[torch.Tensor] | None: ...
 
 
 def _mix(*xs: int) -> int:
@@ -247,16 +250,17 @@ class Step:
         grads, total, count, aux = self.grad(state.params, batch, scale)
         if self.reducer is not None:  # phase 3a: sums across processes
             sums = torch.stack([total.float(), count.float()])
-            self.reducer.reduce(grads, sums)
+            reduced = self.reducer.reduce(grads, sums)
+            grads = grads if reduced is None else reduced
             total, count = sums[0], sums[1]
         # phase 3b: the one division, by the whole batch's count (and the loss scale)
         denom = count.to(torch.float32).clamp_min(1.0)
         if scale is not None:
             denom = denom * scale
         torch._foreach_div_(grads, denom)
-        grad_norm = global_norm(grads)
+        grad_norm = _whole(global_norm(grads))
 
-        finite = all_finite(grads) if scaler is not None else None
+        finite = _whole(all_finite(grads)) if scaler is not None else None
         params, opt_state = self.update(state, grads, finite)
         extra = state.extra
         if scaler is not None:
@@ -312,6 +316,13 @@ class Step:
                     f"ft.accumulate(micro_batches={self.micro_batches}) got a batch of {rows} "
                     f"rows; every micro-batch needs at least one row. Use micro_batches <= {rows}."
                 )
+
+
+def _whole(x: torch.Tensor) -> torch.Tensor:
+    """A plain tensor for a value reduced from sharded (DTensor) gradients, e.g. their norm."""
+    if type(x) is torch.Tensor or not hasattr(x, "full_tensor"):
+        return x
+    return x.full_tensor()
 
 
 def _find_lr(opt_state: TensorDict) -> torch.Tensor:
