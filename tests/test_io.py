@@ -1,0 +1,545 @@
+"""Tests for ftrain.checkpoint_io: exact round trips, verification, atomicity, run folders."""
+
+import contextlib
+import os
+import pickle
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+
+import pytest
+import safetensors.torch
+import torch
+from tensordict import NonTensorData, TensorDict
+from torch import nn
+
+import ftrain as ft
+from ftrain.checkpoint_io import (
+    CheckpointError,
+    CheckpointWarning,
+    latest_checkpoint,
+    list_checkpoints,
+    load,
+    load_meta,
+    save,
+    save_checkpoint,
+)
+from ftrain.models import GPT, GPTConfig
+
+SMALL = dict(vocab_size=37, seq_len=8, d_model=16, n_layer=2, n_head=2)
+
+
+def make_model(seed=0, **overrides):
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(**{**SMALL, **overrides}))
+
+
+def batch(seed=1, B=4):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, SMALL["vocab_size"], (B, SMALL["seq_len"] + 1), generator=g)
+    return {"input": idx[:, :-1], "target": idx[:, 1:]}
+
+
+def with_fields(state, **fields):
+    """``state`` with some fields swapped for new ones (``TrainState.replace`` merges nested
+    TensorDicts into the old ones instead)."""
+    kw = {f: getattr(state, f) for f in ("params", "opt_state", "step", "rng", "extra")}
+    return ft.TrainState(**{**kw, **fields}, batch_size=[])
+
+
+def trained_state(model, steps=2):
+    """A state after a few adamw steps (non-trivial moments, counts, lr), with transform state
+    in ``extra``: an fp16-style loss-scale sub-dict, an empty sub-dict, bf16 and bool tensors."""
+
+    def loss_fn(params, b):
+        return ft.losses.cross_entropy(ft.apply(model, params, b["input"]), b["target"])
+
+    step = ft.train_step(loss_fn, ft.optim.adamw(1e-2, weight_decay=0.1))
+    state = ft.TrainState.create(ft.params_of(model), ft.optim.adamw(1e-2, weight_decay=0.1))
+    for i in range(steps):
+        state, _ = step(state, batch(seed=i))
+    extra = TensorDict(
+        {
+            "loss_scale": {
+                "scale": torch.tensor(65536.0),
+                "good_steps": torch.tensor(7, dtype=torch.int64),
+            },
+            "nothing": TensorDict({}, batch_size=[]),
+            "half": torch.randn(3, 2).to(torch.bfloat16),
+            "mask": torch.tensor([True, False, True]),
+            "weird": torch.tensor([float("nan"), -0.0, float("inf")]),
+        },
+        batch_size=[],
+    )
+    return with_fields(state, extra=extra), step
+
+
+def structure(td):
+    """Every key (inner nodes included, so empty TensorDicts count) in order, with the leaf type."""
+    return [
+        (k, type(v).__name__, getattr(v, "dtype", None), tuple(getattr(v, "shape", ())))
+        for k, v in td.items(include_nested=True)
+    ]
+
+
+def bits(t):
+    return t.detach().reshape(-1).contiguous().view(torch.uint8)
+
+
+def assert_states_identical(a, b):
+    for field in ("params", "opt_state", "extra"):
+        ta, tb = getattr(a, field), getattr(b, field)
+        assert structure(ta) == structure(tb), field
+        for (ka, va), (kb, vb) in zip(ta.items(True, True), tb.items(True, True), strict=True):
+            assert ka == kb and va.dtype == vb.dtype and va.shape == vb.shape, ka
+            assert torch.equal(bits(va), bits(vb)), ka
+    for field in ("step", "rng"):
+        va, vb = getattr(a, field), getattr(b, field)
+        assert vb.dtype == torch.int64 and vb.dim() == 0 and vb.device.type == "cpu"
+        assert torch.equal(va, vb)
+
+
+@pytest.fixture(scope="module")
+def state_and_step():
+    return trained_state(make_model())
+
+
+# --- round trip ----------------------------------------------------------------------------------
+
+
+def test_round_trip_is_bitwise_exact(tmp_path, state_and_step):
+    state, _ = state_and_step
+    assert "1" in state.opt_state.keys() and state.opt_state["1"].is_empty()  # adamw's empty node
+    path = save(state, tmp_path / "ck", extra={"config": {"lr": 1e-2, "betas": (0.9, 0.95)}})
+    assert sorted(p.name for p in path.iterdir()) == [
+        "meta.json",
+        "params.safetensors",
+        "state.safetensors",
+    ]
+    loaded = load(path)
+    assert_states_identical(state, loaded)
+    assert loaded.extra["half"].dtype == torch.bfloat16
+    assert loaded.extra["mask"].dtype == torch.bool
+    assert loaded.extra["nothing"].is_empty()
+    meta = load_meta(path)
+    assert meta["step"] == 2 and meta["extra"] == {"config": {"lr": 1e-2, "betas": [0.9, 0.95]}}
+    assert set(meta["versions"]) == {"ftrain", "torch", "tensordict", "safetensors"}
+    assert set(meta["files"]) == {"params.safetensors", "state.safetensors"}
+
+
+def test_fresh_state_with_empty_extra_round_trips(tmp_path):
+    state = ft.TrainState.create(ft.params_of(nn.Linear(3, 2)), ft.optim.sgd(0.1))
+    loaded = load(save(state, tmp_path / "ck"), like=state)
+    assert_states_identical(state, loaded)
+    assert loaded.extra.is_empty()
+
+
+def test_resumed_state_continues_bit_for_bit(tmp_path, state_and_step):
+    state, step = state_and_step
+    loaded = load(save(state, tmp_path / "ck"), like=state)
+    for i in range(2):
+        state, m1 = step(state, batch(seed=10 + i))
+        loaded, m2 = step(loaded, batch(seed=10 + i))
+        assert torch.equal(m1["loss"], m2["loss"])
+    assert_states_identical(state, loaded)
+
+
+def test_non_contiguous_and_shared_tensors_are_saved_as_values(tmp_path):
+    state = ft.TrainState.create(ft.params_of(nn.Linear(4, 4)), ft.optim.sgd(0.1))
+    w = torch.arange(16.0).reshape(4, 4)
+    extra = TensorDict({"t": w.t(), "same": w, "again": w, "row": w[1]}, batch_size=[])
+    loaded = load(save(with_fields(state, extra=extra), tmp_path / "ck"))
+    for k in ("t", "same", "again", "row"):
+        assert torch.equal(loaded.extra[k], extra[k])
+
+
+def test_load_device_keeps_step_and_rng_on_cpu(tmp_path, state_and_step):
+    state, _ = state_and_step
+    loaded = load(save(state, tmp_path / "ck"), device="meta")
+    assert all(t.device.type == "meta" for t in loaded.params.values(True, True))
+    assert loaded.step.device.type == "cpu" and loaded.rng.device.type == "cpu"
+
+
+# --- the params file is a plain state dict -------------------------------------------------------
+
+
+def test_params_file_loads_into_a_plain_module(tmp_path, state_and_step):
+    state, _ = state_and_step
+    path = save(state, tmp_path / "ck")
+    fresh = make_model(seed=123)
+    fresh.load_state_dict(safetensors.torch.load_file(path / "params.safetensors"))
+    x = batch(seed=5)["input"]
+    with torch.no_grad():
+        assert torch.equal(fresh(x), ft.apply(make_model(seed=7), state.params, x))
+
+
+def test_tied_module_loads_with_strict_false(tmp_path):
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(3, 3)
+            self.b = nn.Linear(3, 3)
+            self.b.weight = self.a.weight
+
+    state = ft.TrainState.create(ft.params_of(Tied()), ft.optim.sgd(0.1))
+    assert "weight" not in state.params["b"].keys()  # params_of keeps the first name only
+    path = save(state, tmp_path / "ck")
+    module = Tied()
+    result = module.load_state_dict(
+        safetensors.torch.load_file(path / "params.safetensors"), strict=False
+    )
+    assert result.missing_keys == ["b.weight"] and not result.unexpected_keys
+    assert torch.equal(module.b.weight, state.params["a", "weight"])
+
+
+# --- like= ---------------------------------------------------------------------------------------
+
+
+def test_like_with_another_model_lists_every_difference(tmp_path, state_and_step):
+    state, _ = state_and_step
+    path = save(state, tmp_path / "ck")
+    other = ft.TrainState.create(
+        ft.params_of(make_model(n_layer=3, d_model=24)), ft.optim.adamw(1e-2, weight_decay=0.1)
+    )
+    with pytest.raises(CheckpointError) as e:
+        load(path, like=other)
+    msg, diffs = str(e.value), e.value.differences
+    assert "does not match `like`" in msg and f"({len(diffs)} difference(s))" in msg
+    assert "params.blocks.2.attn.qkv.weight: missing in checkpoint" in msg
+    assert "params.wte.weight: float32[37, 16] in checkpoint, float32[37, 24] in `like`" in msg
+    assert f"... and {len(diffs) - 30} more" in msg
+    assert "opt_state.0.mu.blocks.2.ln_1.weight: missing in checkpoint" in diffs
+    assert "opt_state.0.nu.ln_f.bias: float32[16] in checkpoint, float32[24] in `like`" in diffs
+
+
+def test_like_reports_dtype_and_unexpected_keys(tmp_path, state_and_step):
+    state, _ = state_and_step
+    path = save(state, tmp_path / "ck")
+    like = with_fields(state, extra=TensorDict({"half": torch.zeros(3, 2)}, batch_size=[]))
+    with pytest.raises(CheckpointError) as e:
+        load(path, like=like)
+    msg = str(e.value)
+    assert "extra.half: bfloat16[3, 2] in checkpoint, float32[3, 2] in `like`" in msg
+    assert "extra.loss_scale.scale: unexpected" in msg
+    assert "extra.nothing (empty TensorDict): unexpected" in msg
+    assert_states_identical(state, load(path, like=state))  # the matching state passes
+
+
+# --- damage --------------------------------------------------------------------------------------
+
+
+def flip_byte(file, offset_from_end=3):
+    data = bytearray(file.read_bytes())
+    data[-offset_from_end] ^= 0x01
+    file.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("name", ["params.safetensors", "state.safetensors"])
+def test_a_flipped_byte_is_refused_with_the_file_name(tmp_path, state_and_step, name):
+    state, _ = state_and_step
+    path = save(state, tmp_path / "checkpoint-12")
+    flip_byte(path / name)
+    with pytest.raises(CheckpointError, match=rf"checkpoint-12/{name} is damaged \(sha256"):
+        load(path)
+
+
+def test_damaged_meta_and_missing_files_are_refused(tmp_path, state_and_step):
+    state, _ = state_and_step
+    path = save(state, tmp_path / "ck", extra={"lr": 0.25})
+    meta = path / "meta.json"
+    good = meta.read_text()
+    meta.write_text(good.replace('"lr": 0.25', '"lr": 0.75'))  # still valid JSON
+    with pytest.raises(CheckpointError, match=r"meta.json is damaged \(checksum"):
+        load_meta(path)
+    meta.write_text(good[:-10])
+    with pytest.raises(CheckpointError, match=r"meta.json is damaged \(not valid JSON"):
+        load(path)
+    meta.unlink()
+    with pytest.raises(CheckpointError, match=r"meta.json is missing"):
+        load(path)
+    meta.write_text(good)
+    (path / "state.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"state.safetensors is missing"):
+        load(path)
+    with pytest.raises(CheckpointError, match="no checkpoint at"):
+        load(tmp_path / "nowhere")
+
+
+# --- no pickle -----------------------------------------------------------------------------------
+
+
+def test_nothing_is_pickled(tmp_path, state_and_step, monkeypatch):
+    state, _ = state_and_step
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("pickle used")
+
+    for mod, name in [
+        (pickle, "load"),
+        (pickle, "loads"),
+        (pickle, "dump"),
+        (pickle, "dumps"),
+        (pickle, "Unpickler"),
+        (pickle, "Pickler"),
+        (torch, "load"),
+        (torch, "save"),
+    ]:
+        monkeypatch.setattr(mod, name, refuse)
+    save_checkpoint(tmp_path, state, extra={"a": 1})
+    path = latest_checkpoint(tmp_path)
+    assert_states_identical(state, load(path, like=state))
+    assert load_meta(path)["extra"] == {"a": 1}
+
+
+# --- extra must be JSON --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "extra, named",
+    [
+        ({"loader": {"pos": torch.tensor(3)}}, "extra['loader']['pos'] is a Tensor"),
+        ({"cfg": {"lr": float("nan")}}, "extra['cfg']['lr'] is nan"),
+        ({"ids": {1: "a"}}, "extra['ids'] has the key 1"),
+        ({"seen": [1, {2, 3}]}, "extra['seen'][1] is a set"),
+    ],
+)
+def test_non_json_extra_is_refused_with_its_key(tmp_path, state_and_step, extra, named):
+    state, _ = state_and_step
+    with pytest.raises(TypeError, match=named.replace("[", r"\[").replace("]", r"\]")):
+        save(state, tmp_path / "ck", extra=extra)
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_unsupported_state_is_refused_with_its_key(tmp_path, state_and_step):
+    state, _ = state_and_step
+    bad = with_fields(
+        state, extra=TensorDict({"ema": TensorDict({}, batch_size=[3])}, batch_size=[3])
+    )
+    with pytest.raises(
+        CheckpointError, match=r"state.extra: it is a TensorDict with batch_size \[3\]"
+    ):
+        save(bad, tmp_path / "ck")
+    bad = with_fields(state, extra=TensorDict({"name": NonTensorData("x")}, batch_size=[]))
+    with pytest.raises(CheckpointError, match=r"state.extra.name: it is a NonTensorData"):
+        save(bad, tmp_path / "ck")
+    with pytest.raises(TypeError, match="must be an ft.TrainState"):
+        save(state.params, tmp_path / "ck")
+
+
+def test_a_foreign_directory_is_not_replaced(tmp_path, state_and_step):
+    state, _ = state_and_step
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "notes.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match="refusing to replace"):
+        save(state, tmp_path / "ck")
+    assert (tmp_path / "ck" / "notes.txt").read_text() == "mine"
+
+
+# --- atomicity -----------------------------------------------------------------------------------
+
+
+def dies_at(monkeypatch, call):
+    """Make the ``call``-th ``os.replace`` and every later one fail, as if the process died there
+    (nothing after it, the rollback included, reaches the disk)."""
+    real, count = os.replace, [0]
+
+    def replace(src, dst):
+        count[0] += 1
+        if count[0] >= call:
+            raise OSError("simulated crash")
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+
+
+@pytest.mark.parametrize("call", [1, 2], ids=["before-aside", "between-renames"])
+def test_a_crash_while_replacing_leaves_the_old_checkpoint_loadable(
+    tmp_path, state_and_step, monkeypatch, call
+):
+    old, _ = state_and_step
+    new = with_fields(old, params=old.params.apply(lambda t: t + 1), step=old.step + 1)
+    path = save(old, tmp_path / "checkpoint-2")
+    with monkeypatch.context() as m:
+        dies_at(m, call)
+        with pytest.raises(OSError, match="simulated crash"):
+            save(new, path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert_states_identical(old, load(path))
+        found = latest_checkpoint(tmp_path)
+    assert found is not None
+    assert_states_identical(old, load(found))
+    if call == 2:  # the old version is aside under a temporary name: said so, and used
+        assert not path.exists()
+        assert any(issubclass(w.category, CheckpointWarning) for w in caught)
+    save(new, path)  # the next save recovers and cleans up
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint-2"]
+    assert_states_identical(new, load(path))
+
+
+def test_a_crash_while_writing_tensors_leaves_the_previous_checkpoint(
+    tmp_path, state_and_step, monkeypatch
+):
+    state, _ = state_and_step
+    save_checkpoint(tmp_path, state)
+    real = safetensors.torch.save_file
+
+    def half_written(tensors, filename, metadata=None):
+        real(tensors, filename, metadata=metadata)
+        with open(filename, "r+b") as f:
+            f.truncate(100)
+        raise OSError("simulated crash")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", half_written)
+    with pytest.raises(OSError, match="simulated crash"):
+        save_checkpoint(tmp_path, at_step(state, 3))
+    monkeypatch.undo()
+    assert latest_checkpoint(tmp_path).name == "checkpoint-2"
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint-2"]
+
+
+# --- run folders ---------------------------------------------------------------------------------
+
+
+def at_step(state, n):
+    return with_fields(state, step=torch.tensor(n, dtype=torch.int64))
+
+
+def test_save_checkpoint_keeps_the_last_k(tmp_path, state_and_step):
+    state, _ = state_and_step
+    for n in (1, 2, 3, 10, 11):
+        save_checkpoint(tmp_path, at_step(state, n), keep=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-10", "checkpoint-11"]
+    path = save_checkpoint(tmp_path, at_step(state, 5), keep=2)  # resumed from an older one
+    assert path.name == "checkpoint-5"  # the one just written is always kept
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-5", "checkpoint-11"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-11", "checkpoint-5"]
+    for n in (20, 21):
+        save_checkpoint(tmp_path, at_step(state, n), keep=None)
+    assert len(list_checkpoints(tmp_path)) == 4
+    with pytest.raises(ValueError, match="keep must be an int >= 1"):
+        save_checkpoint(tmp_path, state, keep=0)
+
+
+def test_latest_checkpoint_passes_over_broken_ones(tmp_path, state_and_step):
+    state, _ = state_and_step
+    assert latest_checkpoint(tmp_path / "missing") is None
+    assert latest_checkpoint(tmp_path) is None
+    for n in (1, 2, 3):
+        save_checkpoint(tmp_path, at_step(state, n), keep=5)
+    assert latest_checkpoint(tmp_path).name == "checkpoint-3"
+    flip_byte(tmp_path / "checkpoint-3" / "params.safetensors")
+    (tmp_path / "checkpoint-2" / "meta.json").unlink()
+    (tmp_path / "checkpoint-4.tmp-0123abcd").mkdir()  # an interrupted save
+    with pytest.warns(CheckpointWarning) as caught:
+        found = latest_checkpoint(tmp_path)
+    assert found.name == "checkpoint-1"
+    assert load(found).step.item() == 1
+    messages = "\n".join(str(w.message) for w in caught)
+    assert "checkpoint-3/params.safetensors is damaged" in messages
+    assert "checkpoint-2/meta.json is missing" in messages
+    assert "checkpoint-4.tmp-0123abcd" in messages
+
+
+# --- kill -9 -------------------------------------------------------------------------------------
+
+# Imports torch once, then per "go" line forks a child that resumes from the newest checkpoint and,
+# every iteration, saves a new run checkpoint and replaces the fixed checkpoint LAST, until the
+# test kills it with SIGKILL.
+ZYGOTE = textwrap.dedent(
+    """
+    import os, sys, traceback
+    import torch
+    from tensordict import NonTensorData, TensorDict
+    import ftrain as ft
+    from ftrain.checkpoint_io import latest_checkpoint, load, save, save_checkpoint
+
+    torch.set_num_threads(1)
+    run_dir, last = sys.argv[1:]
+    for line in sys.stdin:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                path = latest_checkpoint(run_dir)
+                if path is None:
+                    params = TensorDict({"w": torch.zeros(512, 1024)}, batch_size=[])
+                    state = ft.TrainState.create(params, ft.optim.adamw(1e-3))
+                else:
+                    state = load(path)
+                while True:
+                    n = int(state.step) + 1
+                    state = ft.TrainState(
+                        params=state.params.apply(lambda t: torch.full_like(t, float(n))),
+                        opt_state=state.opt_state,
+                        step=torch.tensor(n),
+                        rng=state.rng,
+                        extra=state.extra,
+                        batch_size=[],
+                    )
+                    save_checkpoint(run_dir, state, keep=2, extra={"step": n})
+                    save(state, last, extra={"step": n})
+                    print("saved", n, flush=True)
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                os._exit(1)
+        print("child", pid, flush=True)
+        os.waitpid(pid, 0)
+        print("dead", flush=True)
+    """
+)
+
+
+def assert_whole(path, newer_than):
+    """The checkpoint at ``path`` verifies, holds what the loop saved, and is not older than
+    ``newer_than``. Returns its step."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointWarning)  # passed-over leftovers
+        state, meta = load(path), load_meta(path)
+    n = int(state.step)
+    assert n >= newer_than and meta["step"] == n and meta["extra"] == {"step": n}
+    assert torch.equal(state.params["w"], torch.full((512, 1024), float(n)))
+    return n
+
+
+def test_kill_9_at_random_moments_always_leaves_a_valid_checkpoint(tmp_path):
+    run_dir, last = tmp_path / "run", tmp_path / "last"
+    zygote = subprocess.Popen(
+        [sys.executable, "-c", ZYGOTE, str(run_dir), str(last)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    rng = random.Random(0)
+    run_step = last_step = 0
+    child = None
+    try:
+        for _ in range(5):
+            zygote.stdin.write("go\n")
+            zygote.stdin.flush()
+            kind, child = zygote.stdout.readline().split()
+            assert kind == "child"
+            child = int(child)
+            line = zygote.stdout.readline()  # the child's first save after resuming
+            assert line.startswith("saved"), line
+            time.sleep(rng.uniform(0.0, 0.2))
+            os.kill(child, signal.SIGKILL)
+            while (line := zygote.stdout.readline()).startswith("saved"):
+                pass
+            assert line == "dead\n", line
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", CheckpointWarning)
+                path = latest_checkpoint(run_dir)
+            assert path is not None
+            run_step = assert_whole(path, newer_than=run_step + 1)  # resumed, saved at least once
+            last_step = assert_whole(last, newer_than=last_step)  # replaced in place, never torn
+    finally:
+        if child is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
+        zygote.kill()
+        zygote.wait()
