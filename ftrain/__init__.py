@@ -10,6 +10,15 @@ step into a step::
 """
 
 from ftrain import data, distributed, losses, models, optim
+from ftrain.checkpoint_io import (
+    CheckpointError,
+    latest_checkpoint,
+    list_checkpoints,
+    load,
+    load_meta,
+    save,
+    save_checkpoint,
+)
 from ftrain.losses import Loss
 from ftrain.state import TrainState, apply, buffers_of, params_of, state_dict_of
 from ftrain.step import Step, train_step, wrap
@@ -18,7 +27,14 @@ from ftrain.transforms import accumulate, autocast, checkpoint, compile, ema
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointError",
     "Loss",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "load",
+    "load_meta",
+    "save",
+    "save_checkpoint",
     "accumulate",
     "autocast",
     "checkpoint",

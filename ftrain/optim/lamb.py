@@ -1,0 +1,51 @@
+"""LAMB: Adam with a layer-wise trust ratio (You et al., 2020, "Large Batch Optimization for Deep
+Learning: Training BERT in 76 minutes")."""
+
+from __future__ import annotations
+
+import torch
+
+from ftrain import _tree
+from ftrain.optim.base import GradientTransformation, chain, empty_state
+from ftrain.optim.transforms import add_decayed_weights, scale_by_adam, scale_by_learning_rate
+
+__all__ = ["scale_by_trust_ratio", "lamb"]
+
+
+def scale_by_trust_ratio(min_norm: float = 0.0) -> GradientTransformation:
+    """Scale each leaf's update by ``||param|| / ||update||`` (1 where either norm is
+    ``<= min_norm``), so every layer moves by the same fraction of its own size."""
+
+    def update(updates, state, params=None, *, inplace=False):
+        if params is None:
+            raise ValueError("scale_by_trust_ratio needs params: update(updates, state, params).")
+        u = _tree.leaves(updates)
+        p_norm = torch.stack(torch._foreach_norm(_tree.leaves(params)))
+        u_norm = torch.stack(torch._foreach_norm(u))
+        ok = (p_norm > min_norm) & (u_norm > min_norm)
+        ratio = torch.where(ok, p_norm / u_norm.clamp_min(torch.finfo(u_norm.dtype).tiny), 1.0)
+        factors = list(ratio.unbind())
+        if inplace:
+            torch._foreach_mul_(u, factors)
+            return updates, state
+        return _tree.unflatten(updates, torch._foreach_mul(u, factors)), state
+
+    return GradientTransformation(lambda params: empty_state(), update)
+
+
+def lamb(
+    learning_rate=1e-3,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-6,
+    weight_decay: float = 0.0,
+    mask=None,
+) -> GradientTransformation:
+    """LAMB = ``chain(scale_by_adam, add_decayed_weights, scale_by_trust_ratio,
+    scale_by_learning_rate)``: AdamW's direction, rescaled per layer by the trust ratio."""
+    return chain(
+        scale_by_adam(b1, b2, eps),
+        add_decayed_weights(weight_decay, mask),
+        scale_by_trust_ratio(),
+        scale_by_learning_rate(learning_rate),
+    )
