@@ -106,7 +106,8 @@ def build_model(cfg: TrainConfig) -> GPT:
 
 
 def build_schedule(cfg: TrainConfig) -> optim.Schedule:
-    total, warm = cfg.decay_steps or cfg.max_steps, min(cfg.warmup, cfg.max_steps)
+    total = cfg.decay_steps or cfg.max_steps  # the schedule never depends on where a run stops
+    warm = min(cfg.warmup, total)
     if cfg.lr_schedule == "constant":
         return optim.join([optim.linear_warmup(cfg.lr, warm), optim.constant(cfg.lr)], [warm])
     if cfg.lr_schedule == "cosine":
