@@ -115,8 +115,9 @@ def autocast(
     fp32's range and needs no scaling. ``torch.float32`` means no autocast (useful with
     ``tf32=True``). ``tf32=True`` allows TF32 matmuls for the extent of the step only.
 
-    **Invariant:** bf16 results are close to fp32 (loss within ~1e-2 relative on small models);
-    fp16 never applies a non-finite update.
+    **Invariant:** bf16 and fp16 results are close to fp32: on small models the loss agrees to
+    1e-2 and each gradient tensor to 3e-2, relative to its largest entry (bf16 measures about
+    8e-3, fp16 about 1e-3; ``tests/test_transforms.py``). fp16 never applies a non-finite update.
     """
     step = check_step(step, "autocast")
     if dtype not in _DTYPES:
