@@ -1,0 +1,292 @@
+"""A kit for testing steps and transforms: compare two steps, catch recompiles, count memory.
+
+Use it to test a transform of your own the way ftrain tests its built-ins::
+
+    import ftrain as ft
+    from ftrain.testing import assert_steps_close, saved_activation_bytes
+
+    step = ft.train_step(loss_fn, ft.optim.adamw(1e-3))
+    assert_steps_close(ft.accumulate(step, 4), step, state, batch, rtol=1e-5)
+    assert saved_activation_bytes(ft.checkpoint(step), state, batch) < saved_activation_bytes(
+        step, state, batch
+    )
+
+Every helper leaves the global random state, the state passed in, and dynamo's settings as they
+were.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import math
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from tensordict import TensorDictBase
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from ftrain import _tree
+from ftrain.state import TrainState
+from ftrain.step import Step, split_batch
+
+__all__ = [
+    "assert_steps_close",
+    "assert_no_recompile",
+    "saved_activation_bytes",
+    "saved_bytes",
+    "max_rel_error",
+]
+
+
+# -- comparing steps --------------------------------------------------------------------------
+
+
+def max_rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """``max|actual - expected| / max|expected|`` in float64: the error relative to the tensor's
+    scale (0.0 when both are zero, ``inf`` when only ``expected`` is zero or a value is not finite
+    where the other is)."""
+    a, e = actual.detach().double(), expected.detach().double()
+    same_nonfinite = (~torch.isfinite(a) | ~torch.isfinite(e)) & (a == e)
+    diff = torch.where(same_nonfinite, torch.zeros_like(a), (a - e).abs())
+    if diff.numel() == 0:
+        return 0.0
+    err = diff.nan_to_num(nan=math.inf, posinf=math.inf).max().item()
+    scale = torch.where(torch.isfinite(e), e.abs(), torch.zeros_like(e)).max().item()
+    if err == 0.0:
+        return 0.0
+    return err / scale if scale > 0 else math.inf
+
+
+def _leaves_by_key(td: TensorDictBase, prefix: str) -> dict[str, torch.Tensor]:
+    return {f"{prefix}.{k}": v for k, v in _tree.to_flat(td).items()}
+
+
+def _compared(state: TrainState, metrics: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = _leaves_by_key(state.params, "params")
+    out.update(_leaves_by_key(state.opt_state, "opt_state"))
+    out["metrics.loss"] = metrics["loss"]
+    return out
+
+
+def assert_steps_close(
+    step_a: Callable,
+    step_b: Callable,
+    state: TrainState,
+    batch: Any,
+    steps: int = 3,
+    *,
+    rtol: float = 1e-5,
+    atol: float = 1e-8,
+) -> tuple[TrainState, TrainState]:
+    """Run ``step_a`` and ``step_b`` ``steps`` times each from ``state`` on ``batch`` and assert
+    that they agree after every step.
+
+    Compared after each step: every tensor of ``params`` and ``opt_state`` (same keys, shapes and
+    dtypes required) and ``metrics["loss"]``. A tensor agrees when
+    ``max|a - b| <= atol + rtol * max|b|``, i.e. the error is measured relative to the scale of the
+    tensor (see :func:`max_rel_error`), not element by element. ``state.extra`` is not compared
+    (transforms legitimately add different entries there).
+
+    On failure the message names the step, the worst key and its relative error, and how many
+    keys failed. ``state`` is not modified: each step sequence starts from its own clone, so steps
+    built with ``donate=True`` are fine.
+
+    Returns the two final states ``(state_a, state_b)``.
+    """
+    if not isinstance(state, TrainState):
+        raise TypeError(
+            f"assert_steps_close(..., state, ...): expected an ft.TrainState, got "
+            f"{type(state).__name__}."
+        )
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"assert_steps_close(steps={steps!r}): must be an integer >= 1.")
+    sa, sb = state.clone(), state.clone()
+    for i in range(steps):
+        sa, ma = step_a(sa, batch)
+        sb, mb = step_b(sb, batch)
+        ta, tb = _compared(sa, ma), _compared(sb, mb)
+        if ta.keys() != tb.keys():
+            raise AssertionError(
+                f"assert_steps_close: after step {i + 1} the states hold different keys: only in "
+                f"step_a {sorted(ta.keys() - tb.keys())}, only in step_b "
+                f"{sorted(tb.keys() - ta.keys())}."
+            )
+        failures = []
+        for key, a in ta.items():
+            b = tb[key]
+            if a.shape != b.shape or a.dtype != b.dtype:
+                raise AssertionError(
+                    f"assert_steps_close: after step {i + 1}, {key} is {a.dtype}{list(a.shape)} "
+                    f"in step_a but {b.dtype}{list(b.shape)} in step_b."
+                )
+            rel = max_rel_error(a, b)
+            scale = b.detach().double().abs().max().item() if b.numel() else 0.0
+            err = rel * scale if rel not in (0.0, math.inf) else rel
+            allowed = atol + rtol * scale
+            if not err <= allowed:
+                failures.append((err / allowed if allowed > 0 else math.inf, rel, key))
+        if failures:
+            _, rel, key = max(failures)
+            raise AssertionError(
+                f"assert_steps_close: the steps differ after step {i + 1} of {steps}: worst key "
+                f"{key!r} has relative error {rel:.3g} (max|a-b| / max|b|; allowed: rtol={rtol:g}, "
+                f"atol={atol:g}); {len(failures)} of {len(ta)} tensors out of tolerance."
+            )
+    return sa, sb
+
+
+# -- recompiles -------------------------------------------------------------------------------
+
+
+def assert_no_recompile(
+    step: Step, state: TrainState, batches: Iterable[Any]
+) -> tuple[TrainState, list[dict[str, torch.Tensor]]]:
+    """Run a compiled ``step`` over ``batches`` (threading the state) and assert that nothing was
+    compiled after the first call.
+
+    The first call is the warm-up: it may compile (or find the step already compiled). Every later
+    call runs with ``torch._dynamo.config.error_on_recompile`` set (so a guard failure raises with
+    dynamo's reason, re-raised here as an AssertionError), and dynamo's frame counter must not
+    grow (which also catches a frame compiled for the first time after a graph break). Both
+    settings are scoped to this call.
+
+    Returns the final state and the metrics of every call.
+    """
+    from torch._dynamo import config as dynamo_config
+    from torch._dynamo.exc import RecompileError
+    from torch._dynamo.utils import counters
+
+    if not isinstance(step, Step) or step.compiled is None:
+        raise TypeError(
+            "assert_no_recompile(step, ...): step must be compiled; pass ft.compile(step)."
+        )
+    batches = list(batches)
+    if len(batches) < 2:
+        raise ValueError(
+            "assert_no_recompile(..., batches): give at least 2 batches (the first call compiles; "
+            "the rest must not)."
+        )
+    history = []
+    state, metrics = step(state, batches[0])
+    history.append(metrics)
+    frames = counters["frames"]["total"]
+    for i, batch in enumerate(batches[1:], start=2):
+        try:
+            with dynamo_config.patch(error_on_recompile=True):
+                state, metrics = step(state, batch)
+        except RecompileError as e:
+            raise AssertionError(f"assert_no_recompile: call {i} recompiled the step: {e}") from e
+        history.append(metrics)
+        if counters["frames"]["total"] != frames:
+            raise AssertionError(
+                f"assert_no_recompile: call {i} compiled {counters['frames']['total'] - frames} "
+                "new frame(s) after the warm-up call. Run with TORCH_LOGS=recompiles,graph_breaks "
+                "to see which."
+            )
+    return state, history
+
+
+# -- memory kept for backward -----------------------------------------------------------------
+
+
+class _AllocationRecorder(TorchDispatchMode):
+    """Records a weak reference and the size of every storage an op allocates.
+
+    An output whose storage is also one of the op's inputs (a view, an in-place or ``out=`` op)
+    allocated nothing and is not recorded, so tensors that existed before (params, the batch) are
+    never counted, whatever views of them the forward takes.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.storages: dict[int, tuple[StorageWeakRef, int]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {
+            _storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+        }
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            key = _storage_key(t)
+            if key is None or key in inputs or key in self.storages:
+                continue
+            storage = t.untyped_storage()
+            self.storages[key] = (StorageWeakRef(storage), storage.nbytes())
+        return out
+
+    def alive_bytes(self) -> int:
+        return sum(n for ref, n in self.storages.values() if not ref.expired())
+
+
+def _storage_key(t: torch.Tensor) -> int | None:
+    """The address of the tensor's StorageImpl: the same for every view of one storage, and never
+    reused while a :class:`StorageWeakRef` to it is held (the weak reference keeps the object)."""
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError, TypeError):  # sparse, nested, wrapper subclasses
+        return None
+
+
+def saved_bytes(fn: Callable[..., Any], *args, **kwargs) -> int:
+    """Bytes of the storages allocated by the ops of ``fn(*args, **kwargs)`` that are still alive
+    after it returns, while its result is held.
+
+    For a forward pass that returns the loss, that is exactly what autograd keeps for backward
+    (saved activations, dropout masks, autocast's low-precision weight copies, checkpointing's
+    saved inputs and selectively saved outputs) plus the returned tensors themselves. Tensors that
+    existed before the call (params, inputs) are never counted, nor views of them. Counted per
+    storage, once, at its allocated size. Works whatever saved-tensor hooks are active (e.g.
+    non-reentrant ``torch.utils.checkpoint``), because it looks at allocations, not at hooks.
+
+    Runs ``fn`` under a ``TorchDispatchMode``, so ops run eagerly and a bit slower.
+    """
+    recorder = _AllocationRecorder()
+    with recorder:
+        result = fn(*args, **kwargs)
+    gc.collect()
+    total = recorder.alive_bytes()
+    del result
+    return total
+
+
+def saved_activation_bytes(step: Step, state: TrainState, batch: Any) -> int:
+    """Bytes the ``step`` keeps alive for backward after the forward of its first micro-batch.
+
+    Runs only the forward phase (``step.forward``: the loss function under the step's forward
+    contexts, i.e. autocast and activation checkpointing) on the first of the step's
+    ``micro_batches`` pieces of ``batch``, inside the step's step contexts (TF32) and with the
+    global random state restored afterwards. It returns :func:`saved_bytes` of that forward:
+    the total size of the tensors allocated during the forward that are still alive once it
+    returns while the loss is held — the activations autograd saved, dropout masks, autocast's
+    low-precision weight copies, the inputs (and, for ``"selective"``, the matmul outputs) that
+    checkpointing keeps, and the 0-d loss itself. Params, optimizer state and the batch are not
+    counted. The forward runs eagerly even for a compiled step; wrappers (``ft.wrap``) are not run.
+    """
+    if not isinstance(step, Step):
+        raise TypeError(
+            f"saved_activation_bytes(step, ...): expected an ft.Step, got {type(step).__name__}."
+        )
+    if not isinstance(state, TrainState):
+        raise TypeError(
+            f"saved_activation_bytes(step, state, ...): expected an ft.TrainState, got "
+            f"{type(state).__name__}."
+        )
+    state = step.init_extra(state)
+    micro = split_batch(batch, step.micro_batches)[0]
+    device = _tree.leaves(state.params)[0].device
+
+    def forward():
+        leaves = [p.detach().requires_grad_(True) for p in _tree.leaves(state.params)]
+        return step.forward(_tree.unflatten(state.params, leaves), micro)
+
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), contextlib.ExitStack() as stack:
+        for ctx in step.step_contexts:
+            stack.enter_context(ctx(state))
+        return saved_bytes(forward)
