@@ -1,0 +1,60 @@
+"""Shared by the benchmark scripts: interleaved timing, machine facts, RESULTS.md sections."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import re
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+
+
+def machine() -> str:
+    """One line: CPU model, cores, torch threads, torch version, GPU if any, date."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    return (
+        f"{cpu} ({os.cpu_count()} cores), {torch.get_num_threads()} torch threads, {gpu}, "
+        f"torch {torch.__version__}, {datetime.date.today().isoformat()}"
+    )
+
+
+def interleaved(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 2) -> dict:
+    """Median seconds per call of each function, timed in alternation (A B A B ...) so that a
+    change in machine load hits all of them alike."""
+    for _ in range(warmup):
+        for f in fns.values():
+            f()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, f in fns.items():
+            t = time.perf_counter()
+            f()
+            times[k].append(time.perf_counter() - t)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def write_section(title: str, body: str) -> None:
+    """Replace (or append) the ``## title`` section of RESULTS.md with ``body``."""
+    text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
+    section = f"## {title}\n\n{body.strip()}\n"
+    pattern = re.compile(rf"^## {re.escape(title)}\n.*?(?=^## |\Z)", re.S | re.M)
+    if pattern.search(text):
+        text = pattern.sub(lambda m: section + "\n", text).rstrip() + "\n"
+    else:
+        text = text.rstrip() + "\n\n" + section
+    RESULTS.write_text(text)
