@@ -20,7 +20,6 @@ from torch import nn
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     create_selective_checkpoint_contexts,
-    noop_context_fn,
 )
 from torch.utils.checkpoint import (
     checkpoint as torch_checkpoint,
@@ -92,17 +91,24 @@ def find_blocks(
     return best
 
 
+# Marks the call that ``_Checkpointed._run`` makes through ``functional_call``: the block's own
+# forward is wanted there. An argument rather than a flag on the object, because torch.compile
+# refuses (graph-breaks on) any mutation of outside state inside a checkpointed region.
+_INSIDE = object()
+
+
 class _Checkpointed:
     """A block's forward routed through ``torch.utils.checkpoint``."""
 
     def __init__(self, block: nn.Module, context_fn):
         self.block = block
-        self.context_fn = context_fn
-        self.inside = False
+        # Passed only when set: under torch.compile, dynamo refuses an explicit
+        # context_fn=noop_context_fn (the default), so "blocks" must leave the argument out.
+        self.options = {} if context_fn is None else {"context_fn": context_fn}
 
     def __call__(self, *args, **kwargs):
-        if self.inside:  # the call functional_call makes below: run the block's own forward
-            return type(self.block).forward(self.block, *args, **kwargs)
+        if args and args[0] is _INSIDE:  # the call _run makes below: the block's own forward
+            return type(self.block).forward(self.block, *args[1:], **kwargs)
         block = self.block
         # The tensors functional_call has swapped in right now: the step's leaf copies.
         tensors = dict(block.named_parameters(remove_duplicate=False))
@@ -113,42 +119,66 @@ class _Checkpointed:
             *args,
             use_reentrant=False,
             preserve_rng_state=True,
-            context_fn=self.context_fn,
+            **self.options,
             **kwargs,
         )
 
     def _run(self, tensors, *args, **kwargs):
-        self.inside = True
-        try:
-            return torch.func.functional_call(self.block, tensors, args, kwargs)
-        finally:
-            self.inside = False
+        # In the forward, ``tensors`` are those already in place and this wrapper is installed:
+        # the marker sends functional_call's call of the block to the block's own forward. In an
+        # eager recompute (backward) the wrapper is gone and ``tensors`` put the step's leaf
+        # copies back in place of the template's own.
+        if self.block.__dict__.get("forward") is self:
+            args = (_INSIDE, *args)
+        return torch.func.functional_call(self.block, tensors, args, kwargs)
 
 
-# Blocks found per template module, computed once.
-_BLOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Per template module and (block classes, context_fn): its blocks, each with its checkpointed
+# forward. Built once, so the objects a compiled step finds are the same on every call. Values
+# refer to the blocks (children), never to the template itself, so entries die with it.
+_WRAPPERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+@torch._dynamo.disable  # runs eagerly, also under torch.compile: see _Hook
+def _install(module: nn.Module, modules, context_fn) -> tuple[int, list[nn.Module]]:
+    """Route the forward of each block of ``module`` through checkpoint; returns the number of
+    blocks and those this call wrapped (a nested ``apply`` of the same model finds them done)."""
+    key = (modules, context_fn)
+    cache = _WRAPPERS.setdefault(module, {})
+    if key not in cache:
+        cache[key] = [(b, _Checkpointed(b, context_fn)) for b in find_blocks(module, modules)]
+    patched = []
+    for block, wrapper in cache[key]:
+        if "forward" not in block.__dict__:
+            block.forward = wrapper
+            patched.append(block)
+    return len(cache[key]), patched
+
+
+@torch._dynamo.disable
+def _uninstall(patched: list[nn.Module]) -> None:
+    for block in patched:
+        del block.forward
 
 
 class _Hook:
-    """Installed for one forward; wraps the blocks of each module that ``ft.apply`` calls."""
+    """Installed for one forward; wraps the blocks of each module that ``ft.apply`` calls.
+
+    Wrapping and unwrapping run eagerly even inside a compiled step (``torch._dynamo.disable``):
+    dynamo then traces the model with the wrappers already in place, guards on their identity
+    (stable, see ``_WRAPPERS``) and never replays the attribute changes itself.
+    """
 
     def __init__(self, policy: str, modules):
-        self.context_fn = _selective_contexts if policy == "selective" else noop_context_fn
+        self.context_fn = _selective_contexts if policy == "selective" else None
         self.modules = modules
         self.calls = 0
-
-    def blocks(self, module: nn.Module) -> list[nn.Module]:
-        key = (self.modules,)
-        cache = _BLOCKS.setdefault(module, {})
-        if key not in cache:
-            cache[key] = find_blocks(module, self.modules)
-        return cache[key]
 
     @contextlib.contextmanager
     def __call__(self, module: nn.Module) -> Iterator[None]:
         self.calls += 1
-        blocks = self.blocks(module)
-        if not blocks:
+        n_blocks, patched = _install(module, self.modules, self.context_fn)
+        if not n_blocks:
             how = (
                 f"none of {[t.__name__ for t in self.modules]} occurs in it"
                 if self.modules
@@ -158,17 +188,10 @@ class _Hook:
                 f"ft.checkpoint found no blocks to checkpoint in {type(module).__name__}: {how}. "
                 "Name the block class: ft.checkpoint(step, modules=[MyBlock])."
             )
-        patched = []
         try:
-            for b in blocks:
-                if "forward" in b.__dict__:  # already wrapped (nested apply of the same model)
-                    continue
-                b.forward = _Checkpointed(b, self.context_fn)
-                patched.append(b)
             yield
         finally:
-            for b in patched:
-                del b.forward
+            _uninstall(patched)
 
 
 @contextlib.contextmanager
