@@ -260,16 +260,20 @@ def test_tf32_is_set_for_the_step_only():
 
 @pytest.mark.slow
 def test_compile_matches_eager_without_recompiles():
-    """Slow (about a minute on 2 CPU cores): the one test that runs torch.compile."""
+    """Slow (30-90 s on 2 CPU cores): the one test that runs torch.compile's code generation.
+
+    The composition of the design's example, compiled: checkpoint and accumulate inside. Dropout
+    is off because inductor draws its own random numbers (compiled dropout is not eager's).
+    """
     model = gpt(n_layer=2, bias=False)
     schedule = ft.optim.warmup_cosine(1e-2, warmup_steps=2, decay_steps=6)
     opt = ft.optim.sgd(schedule, momentum=0.9)
     state = ft.TrainState.create(ft.params_of(model), opt)
-    eager = ft.train_step(lm_loss(model), opt)
+    eager = ft.checkpoint(ft.accumulate(ft.train_step(lm_loss(model), opt), 2))
     compiled = ft.compile(eager)
     batches = [lm_batch(8, seed=i) for i in range(5)]
 
-    # Calls 2..5 walk the schedule through warmup into the cosine: new lr values, same graph.
+    # Calls 2..5 walk the schedule through warmup into the cosine: new lr values, same graphs.
     final, history = assert_no_recompile(compiled, state, batches)
     lrs = [float(m["lr"]) for m in history]
     assert all(a != b for a, b in zip(lrs, lrs[1:])), lrs
@@ -280,6 +284,22 @@ def test_compile_matches_eager_without_recompiles():
         assert max_rel_error(m_compiled["loss"], m["loss"]) < 1e-5
     for key, a in ft._tree.to_flat(final.params).items():
         assert max_rel_error(a, ft._tree.to_flat(s.params)[key]) < 1e-5, key
+
+
+@pytest.mark.parametrize("policy", ["blocks", "selective"])
+def test_checkpoint_traces_without_recompiles(policy):
+    """Dynamo traces checkpointed blocks in one graph, the same on every call (the "eager"
+    backend: tracing and guards only, no code generation, a few seconds)."""
+    torch._dynamo.reset()
+    _, step, state = setup(n_layer=2)
+    step = ft.checkpoint(step, policy)
+    batches = [lm_batch(8, seed=i) for i in range(3)]
+    final, _ = assert_no_recompile(ft.compile(step, backend="eager"), state, batches)
+    s = state
+    for batch in batches:
+        s, _ = step(s, batch)
+    for a, b in zip(ft._tree.leaves(final.params), ft._tree.leaves(s.params)):
+        assert max_rel_error(a, b) < 1e-6
 
 
 # --- ema and the wrap protocol ---------------------------------------------------------------
