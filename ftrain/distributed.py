@@ -1,13 +1,31 @@
-"""``torch.distributed`` set-up from the torchrun environment."""
+"""``torch.distributed`` set-up: from torchrun's environment, or N local processes for tests.
+
+Under torchrun, :func:`init` creates the process group from the environment::
+
+    torchrun --nproc_per_node 2 -m ftrain train --shard fsdp
+
+In tests and notebooks, :func:`run_distributed` starts N gloo processes on this machine::
+
+    results = run_distributed(fn, world_size=2)  # [fn() on rank 0, fn() on rank 1]
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import pickle
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["init", "is_initialized", "rank_and_world"]
+__all__ = ["init", "is_initialized", "rank_and_world", "run_distributed", "DistributedError"]
 
 
 def is_initialized() -> bool:
@@ -46,3 +64,145 @@ def init(backend: str | None = None) -> tuple[int, int]:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(backend)
     return rank_and_world()
+
+
+# -- N local processes ------------------------------------------------------------------------
+
+
+class DistributedError(RuntimeError):
+    """A rank of :func:`run_distributed` failed; the message holds each failing rank's traceback."""
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(rank: int, world_size: int, store_file: str, payload: bytes, out: str) -> None:
+    """Entry point of one rank: join the group through a file store, run, write the result."""
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    try:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        fn, args, kwargs = pickle.loads(payload)
+        dist.init_process_group(
+            "gloo", init_method=f"file://{store_file}", rank=rank, world_size=world_size
+        )
+        try:
+            result = ("ok", fn(*args, **kwargs))
+        finally:
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+    except BaseException as e:  # noqa: BLE001 - every failure goes back to the parent
+        result = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+    try:
+        data = pickle.dumps(result)
+    except Exception as e:  # noqa: BLE001
+        data = pickle.dumps(("error", f"rank {rank}: its return value cannot be pickled: {e}"))
+    tmp = out + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, out)
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    *args: Any,
+    timeout: float = 300.0,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` new CPU processes joined in a gloo group.
+
+    Each process sets ``RANK``, ``LOCAL_RANK`` and ``WORLD_SIZE`` as torchrun would and creates
+    the default process group before calling ``fn`` (so ``ft.shard`` works inside it and
+    ``ft.distributed.init()`` returns at once). Returns the list of each rank's return value, in
+    rank order; values travel by pickle, so return tensors or plain data.
+
+    ``fn`` may be a function defined in a notebook or a test (it is sent with ``cloudpickle``).
+    If any rank raises, the others are stopped and :class:`DistributedError` carries the
+    traceback of every rank that failed; a run longer than ``timeout`` seconds is stopped too.
+
+    Cost: each process starts a fresh interpreter and imports torch (a few seconds), so put many
+    checks into one call rather than making many calls.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"run_distributed(world_size={world_size!r}): must be an int >= 1.")
+    if not callable(fn):
+        raise TypeError(f"run_distributed(fn, ...): fn must be callable, got {type(fn).__name__}.")
+    import cloudpickle
+    import torch.multiprocessing as mp
+
+    payload = cloudpickle.dumps((fn, args, kwargs))
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="ftrain-dist-") as tmp:
+        store = os.path.join(tmp, "store")
+        outs = [os.path.join(tmp, f"rank{r}.pkl") for r in range(world_size)]
+        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)  # the spawned children inherit them
+        try:
+            procs = [
+                ctx.Process(
+                    target=_child, args=(r, world_size, store, payload, outs[r]), daemon=True
+                )
+                for r in range(world_size)
+            ]
+            for p in procs:
+                p.start()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        results = _collect(procs, outs, timeout)
+    errors = [(r, res[1]) for r, res in enumerate(results) if res[0] != "ok"]
+    if errors:
+        detail = "\n".join(f"--- rank {r} ---\n{msg}" for r, msg in errors)
+        raise DistributedError(
+            f"run_distributed: {len(errors)} of {world_size} ranks failed.\n{detail}"
+        )
+    return [res[1] for res in results]
+
+
+def _collect(procs: list, outs: list[str], timeout: float) -> list[tuple[str, Any]]:
+    """Wait for every rank; once one fails, give the others a moment, then stop them."""
+    deadline = time.monotonic() + timeout
+    results: dict[int, tuple[str, Any]] = {}
+    failed_at = None
+    while len(results) < len(procs):
+        for r, p in enumerate(procs):
+            if r in results or p.is_alive():
+                continue
+            p.join()
+            if os.path.exists(outs[r]):
+                results[r] = pickle.loads(Path(outs[r]).read_bytes())
+            else:
+                results[r] = ("crashed", f"the process exited with code {p.exitcode}")
+            if results[r][0] != "ok" and failed_at is None:
+                failed_at = time.monotonic()
+        now = time.monotonic()
+        late = now > deadline
+        if late or (failed_at is not None and now - failed_at > 10.0):
+            why = (
+                ("timeout", f"still running after {timeout:.0f} s; stopped")
+                if late
+                else ("stopped", "stopped after another rank failed")
+            )
+            for r, p in enumerate(procs):
+                if r not in results:
+                    p.terminate()
+                    p.join(5)
+                    if p.is_alive():
+                        p.kill()
+                        p.join()
+                    results[r] = why
+            break
+        time.sleep(0.02)
+    return [results[r] for r in range(len(procs))]
