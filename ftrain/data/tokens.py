@@ -477,14 +477,15 @@ class TokenDataset:
 
     `ds[i]` is `{"input": LongTensor[seq_len], "target": LongTensor[seq_len]}` where `target` is
     `input` shifted by one: `seq_len + 1` consecutive tokens of the stream made of the split's
-    documents joined by their end-of-document ids, shuffled once per epoch.
+    documents (in a new shuffled order each epoch) joined by their end-of-document ids. The
+    samples of all `num_epochs` epochs are then shuffled together.
 
     Guarantees:
       - Deterministic: the same build, `seq_len`, `seed`, `split`, `splits` and `num_epochs` give
         the same `ds[i]` on every machine and run. The indices are built once (vectorized numpy)
         and cached under `<dir>/index/` as `.npy` files; a damaged cache file is rebuilt.
-      - Coverage: within one epoch, sample starts are `seq_len` apart and cover the epoch's
-        stream, so every token of the split is predicted once per epoch (except the very first).
+      - Coverage: sample starts are `seq_len` apart along the stream, so every token of it is
+        predicted exactly once, except the very first and a final tail shorter than `seq_len`.
       - Sample j and j+1 of the stream (before the shuffle) share one token: the last token of
         sample j's input-plus-target is the first of sample j+1, as in Megatron-LM.
       - Validation at construction: the build must be whole (sizes, checksum, every document ends
