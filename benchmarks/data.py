@@ -16,9 +16,6 @@ Questions, each answered by measuring both sides in the same run, interleaved, a
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import platform
 import statistics
 import tempfile
 import time
@@ -26,12 +23,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _common import RESULTS, machine, write_section  # benchmarks/_common.py
 from torch import nn
 
 from ftrain import data
 
-RESULTS = Path(__file__).with_name("RESULTS.md")
-SECTION = "## Data"
+SECTION = "Data"
 
 
 # -- a small GPT in plain PyTorch (the default model's size) ----------------------------------------
@@ -225,23 +222,6 @@ def h2d_copy(rounds: int = 50) -> list[dict]:
 # -- report ----------------------------------------------------------------------------------------
 
 
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
-    return (
-        f"{os.cpu_count()}-core CPU ({cpu}), {gpu}; torch {torch.__version__}, "
-        f"{torch.get_num_threads()} intra-op threads, Python {platform.python_version()}; "
-        f"{datetime.date.today().isoformat()}"
-    )
-
-
 def loadavg() -> str:
     try:
         return Path("/proc/loadavg").read_text().split()[0]
@@ -251,8 +231,6 @@ def loadavg() -> str:
 
 def report(build, tput, fed, pads, h2d, load: str) -> str:
     lines = [
-        SECTION,
-        "",
         f"`python benchmarks/data.py` on {machine()}. 1-minute load average at start and end: "
         f"{load} (above the core count the machine was shared with other jobs: wall-clock times "
         "are noisy, and the time spent waiting in next() is the direct measure of the loader "
@@ -325,22 +303,6 @@ def report(build, tput, fed, pads, h2d, load: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_section(path: Path, section: str) -> None:
-    """Replace (or append) the `## Data` section of RESULTS.md, leaving the others alone."""
-    text = path.read_text() if path.exists() else "# Benchmark results\n"
-    lines = text.splitlines(keepends=True)
-    start = next((i for i, ln in enumerate(lines) if ln.rstrip() == SECTION), None)
-    if start is None:
-        new = text.rstrip("\n") + "\n\n" + section
-    else:
-        end = next(
-            (i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines)
-        )
-        tail = "".join(lines[end:])
-        new = "".join(lines[:start]) + section + ("\n" + tail if tail else "")
-    path.write_text(new)
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a smoke run; RESULTS.md is not written")
@@ -367,8 +329,8 @@ def main():
     section = report(build, tput, fed, pads, h2d, f"{load_start} / {loadavg()}")
     print(section)
     if not args.quick:
-        write_section(RESULTS, section)
-        print(f"wrote the {SECTION!r} section of {RESULTS}")
+        write_section(SECTION, section)
+        print(f"wrote the '## {SECTION}' section of {RESULTS}")
 
 
 if __name__ == "__main__":
