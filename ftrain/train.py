@@ -32,6 +32,7 @@ import ftrain as ft
 from ftrain import data, optim
 from ftrain.config import TrainConfig
 from ftrain.models import GPT, GPTConfig, generate
+from ftrain.transforms.shard import shard, shard_state, unshard, unshard_state
 
 __all__ = [
     "build_data",
@@ -164,7 +165,7 @@ def build_step(cfg: TrainConfig, model: GPT, opt) -> ft.Step:
     if cfg.micro_batches > 1:
         step = ft.accumulate(step, cfg.micro_batches)
     if cfg.shard != "none":
-        step = ft.shard(step, cfg.shard)
+        step = shard(step, cfg.shard)
     if cfg.compile:
         step = ft.compile(step)
     return step
@@ -284,6 +285,13 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     """Train as ``cfg`` says; returns a summary (steps, final loss, validation loss, seconds)."""
     from ftrain import distributed
 
+    if cfg.shard == "none" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        cfg.shard = "ddp"  # under torchrun without --shard: plain data parallelism
+    if cfg.shard != "none":
+        try:
+            distributed.init()
+        except RuntimeError as e:
+            raise SystemExit(f"ftrain train: --shard {cfg.shard}: {e}") from None
     rank, world = distributed.rank_and_world()
     main = rank == 0
     if cfg.global_batch_size is not None:
@@ -294,10 +302,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 f"--batch-size x world size = {cfg.batch_size} x {world} = {per_step}"
             )
         cfg.micro_batches = cfg.global_batch_size // per_step
-    if cfg.shard != "none" and world == 1 and not distributed.is_initialized():
-        distributed.init()
-        rank, world = distributed.rank_and_world()
-    out = prepare_out(cfg) if main else Path(cfg.out or "runs/unnamed")
+    out = prepare_out(cfg) if main else None
+    out = Path(_from_rank0(str(out) if main else None, world))  # every process: rank 0's folder
 
     loader, valid_ds = build_data(cfg, rank=rank, world=world, quiet=not main)
     model = build_model(cfg)
@@ -305,29 +311,44 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     state = ft.TrainState.create(ft.params_of(model), opt, seed=cfg.seed)
     step_fn = build_step(cfg, model, opt)
     state = step_fn.init_extra(state)
-    if cfg.shard != "none":
-        state = ft.shard_state(state, cfg.shard)
 
     start = 0
     if cfg.resume:
-        latest = ft.latest_checkpoint(out)
+        # rank 0 looks (latest_checkpoint may tidy what an interrupted save left); all load
+        latest = _from_rank0(ft.latest_checkpoint(out) if main else None, world)
         if latest is None:
             if main:
                 print(f"ftrain train: --resume: no checkpoint in {out}; starting from step 0")
         else:
-            state = ft.load(latest, like=state)
             meta = ft.load_meta(latest)
-            loader.load_state_dict(meta["extra"]["loader"])
+            _check_world_size(meta, world)
+            state = ft.load(latest, like=state)  # whole tensors: sharded below
+            extra = meta["extra"]
+            loader.load_state_dict(extra.get("loaders", [extra["loader"]])[rank])
             start = int(state.step)
             if main:
                 print(f"ftrain train: resumed from {latest} (step {start})")
+    if cfg.shard != "none":
+        state = shard_state(state, cfg.shard)
     log = _MetricsLog(out / "metrics.jsonl", start) if main else None
     if main:
         (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
 
     def save() -> None:
-        extra = {"config": cfg.to_dict(), "loader": loader.state_dict(), "world_size": world}
-        ft.save_checkpoint(out, state, keep=cfg.keep, extra=extra)
+        # Every process takes part (gathering a sharded state is a collective); rank 0 writes
+        # whole tensors, with each process's data position.
+        whole = unshard_state(state) if cfg.shard != "none" else state
+        loaders = _all_ranks(loader.state_dict(), world)
+        if main:
+            extra = {
+                "config": cfg.to_dict(),
+                "loader": loaders[0],
+                "loaders": loaders,
+                "world_size": world,
+            }
+            ft.save_checkpoint(out, whole, keep=cfg.keep, extra=extra)
+        if world > 1:
+            torch.distributed.barrier()
 
     tokens_per_step = cfg.batch_size * cfg.micro_batches * cfg.seq_len * world
     bar = None
@@ -360,16 +381,20 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                         tok_s=f"{rec['tokens_per_s']:.0f}",
                         lr=f"{last['lr']:.2e}",
                     )
-            if cfg.eval_every and n % cfg.eval_every == 0 and main:
-                val = evaluate(model, state.params, valid_ds, cfg)
-                log.write({"step": n, "val_loss": val})
-                last["val_loss"] = val
-                if bar is not None:
-                    bar.write(f"step {n}: validation loss {val:.4f}")
+            if cfg.eval_every and n % cfg.eval_every == 0:
+                params = unshard(state.params)  # under fsdp a collective: every process
+                if main:
+                    val = evaluate(model, params, valid_ds, cfg)
+                    log.write({"step": n, "val_loss": val})
+                    last["val_loss"] = val
+                    if bar is not None:
+                        bar.write(f"step {n}: validation loss {val:.4f}")
             if cfg.save_every and n % cfg.save_every == 0 and n != cfg.max_steps:
                 save()
             if bar is not None:
                 bar.update(1)
+            if world > 1:  # stop together: a process that stops alone leaves the others waiting
+                flag["stop"] = bool(_all_ranks(flag["stop"], world).count(True))
             if flag["stop"]:
                 interrupted = True
                 break
@@ -378,6 +403,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     save()
     seconds = time.perf_counter() - t0
     summary = {"step": int(state.step), "seconds": seconds, "out": str(out), **last}
+    params = unshard(state.params)  # whole params (under fsdp a collective: every process)
     if not main:
         return summary
     if interrupted:
@@ -388,12 +414,12 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         summary["interrupted"] = True
         return summary
     if "val_loss" not in last and cfg.eval_every:
-        last["val_loss"] = summary["val_loss"] = evaluate(model, state.params, valid_ds, cfg)
+        last["val_loss"] = summary["val_loss"] = evaluate(model, params, valid_ds, cfg)
         log.write({"step": int(state.step), "val_loss": last["val_loss"]})
     plot_losses(log.records(), out / "loss.png")
     text = ""
     if cfg.sample_tokens:
-        text = sample_text(model, state.params, "def ", cfg.sample_tokens, seed=cfg.seed)
+        text = sample_text(model, params, "def ", cfg.sample_tokens, seed=cfg.seed)
         (out / "sample.txt").write_text(text)
     print(
         f"ftrain train: {int(state.step)} steps in {seconds:.0f} s; loss {last.get('loss', math.nan):.3f}"
@@ -403,6 +429,39 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if text:
         print("--- sample ---\n" + text + "\n--------------")
     return summary
+
+
+def _from_rank0(value: Any, world: int) -> Any:
+    """Rank 0's ``value`` on every process (a broadcast; ``value`` as is with one process)."""
+    if world == 1:
+        return value
+    box = [value]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _all_ranks(value: Any, world: int) -> list[Any]:
+    """Every process's ``value``, in rank order (an all-gather; ``[value]`` with one process)."""
+    if world == 1:
+        return [value]
+    out: list[Any] = [None] * world
+    torch.distributed.all_gather_object(out, value)
+    return out
+
+
+def _check_world_size(meta: dict, world: int) -> None:
+    """Refuse to resume with another number of processes: each process's share of the data and
+    the global batch depend on it, so the run would not continue as it would have."""
+    saved = meta["extra"].get("world_size", 1)
+    if saved != world:
+        raise SystemExit(
+            f"ftrain train: --resume: the checkpoint was written by {saved} process(es), this run "
+            f"has {world}. The data each process reads and the global batch depend on that number, "
+            f"so the run would not continue as it would have: resume with "
+            f"`torchrun --nproc_per_node {saved} -m ftrain train ... --resume`. (The state itself is "
+            "saved whole: ft.load(path) and ft.shard_state(state, strategy) lay it out for any "
+            "number of processes, e.g. to fine-tune from it.)"
+        )
 
 
 def sample_text(
