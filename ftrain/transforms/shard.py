@@ -60,7 +60,7 @@ import functools
 import math
 import sys
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -102,6 +102,34 @@ def _dtensor():
 
 def _is_dtensor(t: object) -> bool:
     return isinstance(t, _dtensor().DTensor)
+
+
+_SPECS: dict[tuple, Any] = {}
+
+
+def _wrap(local: torch.Tensor, mesh, placements: tuple, shape, stride) -> torch.Tensor:
+    """``DTensor.from_local(local, mesh, placements, shape=shape, stride=stride)`` without its
+    autograd function (about 0.3 ms a call on a CPU; a step makes one per tensor): the DTensor is
+    built from a cached spec. For tensors that need no gradient (state, grads, updates)."""
+    d = _dtensor()
+    key = (mesh, placements, tuple(shape), tuple(stride), local.dtype)
+    spec = _SPECS.get(key)
+    if spec is None:
+        try:
+            from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+        except ImportError:  # a torch that moved it: the public, slower way
+            return d.DTensor.from_local(
+                local, mesh, placements, run_check=False, shape=shape, stride=stride
+            )
+        meta = TensorMeta(torch.Size(shape), tuple(stride), local.dtype)
+        spec = _SPECS[key] = DTensorSpec(mesh, tuple(placements), tensor_meta=meta)
+    return d.DTensor(local, spec, requires_grad=False)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (no autograd: ``to_local``'s no-grad path)."""
+    with torch.no_grad():
+        return t.to_local()
 
 
 # -- checks and the mesh ----------------------------------------------------------------------
@@ -276,7 +304,6 @@ def _placements(t: torch.Tensor) -> tuple:
 def _as_sharded(t: torch.Tensor, mesh, *, copy: bool) -> torch.Tensor:
     """The DTensor (``Shard(0)``, or ``Replicate()`` for 0-d) whose whole value is the plain
     ``t`` that every rank holds: this rank's rows (a view, or a copy with ``copy``), no traffic."""
-    d = _dtensor()
     if _is_dtensor(t):
         if tuple(t.placements) == _placements(t):
             return t
@@ -286,9 +313,7 @@ def _as_sharded(t: torch.Tensor, mesh, *, copy: bool) -> torch.Tensor:
     else:
         (local,) = _layout((t.shape,), mesh.size()).local([t], mesh.get_local_rank())
         local = local.clone() if copy else local
-    return d.DTensor.from_local(
-        local, mesh, _placements(t), run_check=False, shape=t.shape, stride=t.stride()
-    )
+    return _wrap(local, mesh, _placements(t), t.shape, t.stride())
 
 
 def _gather_leaves(tensors: Sequence[torch.Tensor], mesh) -> list[torch.Tensor]:
@@ -308,7 +333,7 @@ def _gather_leaves(tensors: Sequence[torch.Tensor], mesh) -> list[torch.Tensor]:
     for idx in _by_dtype([tensors[i] for i in flat]).values():
         chosen = [tensors[flat[j]] for j in idx]
         layout = _layout(tuple(t.shape for t in chosen), mesh.size())
-        whole = layout.all_gather([t.to_local() for t in chosen], rank, group)
+        whole = layout.all_gather([_local(t) for t in chosen], rank, group)
         for j, w in zip(idx, whole):
             out[flat[j]] = w
     return out  # type: ignore[return-value]
@@ -351,7 +376,7 @@ def local_bytes(tree: TensorDictBase | TrainState) -> int:
     total = 0
     for t in _tree.leaves(tree):
         if _is_dtensor(t):
-            t = t.to_local()
+            t = _local(t)
         total += t.numel() * t.element_size()
     return total
 
@@ -460,15 +485,13 @@ class _ReduceScatter:
         _all_reduce_flat([*scalars, sums], group)  # 0-d grads stay whole (Replicate)
         for i, g in enumerate(grads):
             if g.dim() == 0:
-                out[i] = d.DTensor.from_local(g, mesh, [d.Replicate()], run_check=False)
+                out[i] = _wrap(g, mesh, (d.Replicate(),), g.shape, g.stride())
         for idx in _by_dtype([grads[i] for i in rows]).values():
             chosen = [grads[rows[j]] for j in idx]
             layout = _layout(tuple(g.shape for g in chosen), mesh.size())
             pieces = layout.reduce_scatter(chosen, rank, group)
             for j, g, p in zip(idx, chosen, pieces):
-                out[rows[j]] = d.DTensor.from_local(
-                    p, mesh, [d.Shard(0)], run_check=False, shape=g.shape, stride=g.stride()
-                )
+                out[rows[j]] = _wrap(p, mesh, (d.Shard(0),), g.shape, g.stride())
         return out  # type: ignore[return-value]
 
 
@@ -504,15 +527,12 @@ class _LocalForeach(TorchDispatchMode):
             like = _alike(args)
             if like is None:
                 raise
-        d = _dtensor()
         local = [_to_local(a) for a in args]
         out = func(*local, **{k: _to_local(v) for k, v in kwargs.items()})
         if out is None or not isinstance(out, (list, tuple)):
             return out  # in place: the shards were written
         return [
-            d.DTensor.from_local(
-                o, ref.device_mesh, ref.placements, shape=ref.shape, stride=ref.stride()
-            )
+            _wrap(o, ref.device_mesh, ref.placements, ref.shape, ref.stride())
             if ref is not None
             else o
             for o, ref in zip(out, like)
@@ -522,7 +542,7 @@ class _LocalForeach(TorchDispatchMode):
 def _to_local(x: Any) -> Any:
     if isinstance(x, (list, tuple)):
         return [_to_local(t) for t in x]
-    return x.to_local() if _is_dtensor(x) else x
+    return _local(x) if _is_dtensor(x) else x
 
 
 def _alike(args: Sequence[Any]) -> list | None:
@@ -691,15 +711,13 @@ class _GatherFn(torch.autograd.Function):
             summed = [grads[i].clone() for i in scalars]
             _all_reduce_flat(summed, group)
             for i, t in zip(scalars, summed):
-                out[i] = d.DTensor.from_local(t, mesh, [d.Replicate()], run_check=False)
+                out[i] = _wrap(t, mesh, (d.Replicate(),), t.shape, t.stride())
         for idx in _by_dtype([grads[i] for i in rows]).values():
             chosen = [grads[rows[j]].contiguous() for j in idx]
             layout = _layout(tuple(x.shape for x in chosen), mesh.size())
             for j, p in zip(idx, layout.reduce_scatter(chosen, rank, group)):
                 s = g.shards[rows[j]]
-                out[rows[j]] = d.DTensor.from_local(
-                    p, mesh, [d.Shard(0)], run_check=False, shape=s.shape, stride=s.stride()
-                )
+                out[rows[j]] = _wrap(p, mesh, (d.Shard(0),), s.shape, s.stride())
         return (None, *out)
 
 
@@ -888,23 +906,21 @@ def _rank_stream(rank: int, state: TrainState) -> Iterator[None]:
 # -- the transform --------------------------------------------------------------------------------
 
 
-def _layout_check(strategy: str) -> Callable[[TrainState], TrainState]:
-    def check(state: TrainState) -> TrainState:
-        params = _tree.leaves(state.params)
-        opt = [t for t in _tree.leaves(state.opt_state) if t.dim() > 0]
-        want_params = strategy == "fsdp"
-        want_opt = strategy != "ddp"
-        if (params and _is_dtensor(params[0]) != want_params) or (
-            opt and _is_dtensor(opt[0]) != want_opt
-        ):
-            raise ValueError(
-                f"ft.shard(step, {strategy!r}) got a state laid out for another strategy (or not "
-                f"sharded). Call state = ft.shard_state(state, {strategy!r}) once, after creating "
-                "or loading it."
-            )
-        return state
-
-    return check
+@contextlib.contextmanager
+def _check_layout(strategy: str, state: TrainState) -> Iterator[None]:
+    """Step context: refuse a state that :func:`shard_state` did not lay out for ``strategy``
+    (an unsharded fsdp state would otherwise train each rank on its own, silently)."""
+    params = _tree.leaves(state.params)
+    opt = [t for t in _tree.leaves(state.opt_state) if t.dim() > 0]
+    if (params and _is_dtensor(params[0]) != (strategy == "fsdp")) or (
+        opt and _is_dtensor(opt[0]) != (strategy != "ddp")
+    ):
+        raise ValueError(
+            f"ft.shard(step, {strategy!r}) got a state laid out for another strategy (or not "
+            f"sharded). Call state = ft.shard_state(state, {strategy!r}) once, after creating or "
+            "loading it."
+        )
+    yield
 
 
 def shard(step: Step, strategy: str = "ddp", mesh: Any = None) -> Step:
@@ -938,12 +954,14 @@ def shard(step: Step, strategy: str = "ddp", mesh: Any = None) -> Step:
     mesh = _check_mesh(mesh, "shard")
     if step.reducer is not None:
         raise ValueError("ft.shard was applied twice; apply it once, with the strategy you want.")
-    step_contexts = [functools.partial(_rank_stream, mesh.get_local_rank())]
+    step_contexts = [
+        functools.partial(_check_layout, strategy),
+        functools.partial(_rank_stream, mesh.get_local_rank()),
+    ]
     if strategy == "fsdp":
         step_contexts.append(functools.partial(_fsdp_step, mesh))
     changes: dict[str, Any] = {
         "step_contexts": (*step.step_contexts, *step_contexts),
-        "state_inits": (*step.state_inits, _layout_check(strategy)),
     }
     if strategy in ("ddp", "zero1"):
         changes["reducer"] = _AllReduce(mesh)
