@@ -80,6 +80,19 @@ def composed(step, micro_batches):
     return ft.accumulate(ft.checkpoint(ft.autocast(step, torch.bfloat16)), micro_batches)
 
 
+def _optimizers():
+    from ftrain.optim.lamb import lamb
+    from ftrain.optim.quantized import adamw8bit
+
+    return {
+        "lion": lambda: ft.optim.lion(1e-4, weight_decay=0.1),
+        "lamb": lambda: lamb(1e-3),
+        "adamw8bit": lambda: adamw8bit(1e-3),
+    }
+
+
+OPTIMIZERS = _optimizers()
+
 CONFIGS = {
     # name: (optimizer, model options, transforms on the sharded step, on the 1-process step)
     "sgd": (sgd, {}, lambda s: s, lambda s: s),
@@ -115,7 +128,8 @@ def _on_two_ranks(tmp: str) -> dict:
     for name, (make_opt, model_kw, transform, _) in CONFIGS.items():
         for strategy in STRATEGIES:
             model, opt = gpt(**model_kw), make_opt()
-            step = shard(transform(ft.train_step(lm_loss(model), opt)), strategy)
+            donate = name == "adamw"  # in place, as the CLI runs it
+            step = shard(transform(ft.train_step(lm_loss(model), opt, donate=donate)), strategy)
             state = shard_state(ft.TrainState.create(ft.params_of(model), opt), strategy)
             state, metrics = run(step, state, data, rank)
             out[name, strategy] = {
@@ -152,7 +166,16 @@ def _on_two_ranks(tmp: str) -> dict:
         straight, _ = run(step, state, data[2:], rank)
         out["resume", strategy] = (whole(unshard_state(resumed)), whole(unshard_state(straight)))
 
-    # 4. mistakes that are caught
+    # 4. more optimizers: the math on shards against the same math under ddp
+    for name, make_opt in OPTIMIZERS.items():
+        for strategy in STRATEGIES:
+            model, opt = gpt(bias=False), make_opt()
+            step = shard(ft.train_step(lm_loss(model), opt), strategy)
+            state = shard_state(ft.TrainState.create(ft.params_of(model), opt), strategy)
+            state, _ = run(step, state, data[:2], rank)
+            out["optimizer", name, strategy] = whole(unshard_state(state))
+
+    # 5. mistakes that are caught
     errors = {}
     model = gpt()
     plain = ft.TrainState.create(ft.params_of(model), sgd())
@@ -228,6 +251,16 @@ def test_adamw_with_clipping_and_decay_mask(ranks, references, strategy):
     assert_close(got["params"], references["adamw"]["params"], 1e-5)
     assert_close(got["params"], ranks[0]["adamw", "ddp"]["params"], 2e-6)
     assert_close(got["opt_state"], ranks[0]["adamw", "ddp"]["opt_state"], 2e-6)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "fsdp"])
+def test_other_optimizers_on_shards_match_ddp(ranks, name, strategy):
+    """lion and adamw8bit are elementwise (the same bits); lamb's per-tensor norms are sums over
+    shards (rounding)."""
+    got, ddp = ranks[0]["optimizer", name, strategy], ranks[0]["optimizer", name, "ddp"]
+    assert_close(got["params"], ddp["params"], 1e-6)
+    assert_close(got["opt_state"], ddp["opt_state"], 1e-6)
 
 
 # -- memory ----------------------------------------------------------------------------------------

@@ -21,8 +21,13 @@ Sharded leaves are ``DTensor``\\ s placed ``Shard(0)`` on a 1-D ``DeviceMesh`` (
 split as ``torch.chunk`` splits them; 0-d tensors are ``Replicate()``). The optimizers of
 ``ftrain.optim`` run on them unchanged: their ``torch._foreach_*`` math is elementwise, and DTensor
 makes every reduction in them global (the norm in ``clip_by_global_norm``, ``metrics["grad_norm"]``).
-The bulk traffic goes through one flat buffer per group of tensors (per step for ddp/zero, per
-block for fsdp), as FSDP2 does, not one collective per tensor.
+Checked against ddp: ``sgd``, ``adam``, ``adamw``, ``lion`` and ``adamw8bit`` give the same bits
+under zero1/zero2/fsdp; ``lamb`` and clipping agree to rounding (a norm summed over shards).
+An optimizer that DTensor cannot run (an in-place op on a partly reduced tensor) fails on its
+first step with an error that says so. The few elementwise ``_foreach_*`` ops that DTensor has
+no rule for (``_foreach_copy_``) run on the local shards. The bulk traffic goes through one flat
+buffer per group of tensors (per step for ddp/zero, per block for fsdp), as FSDP2 does, not one
+collective per tensor.
 
 ``fsdp`` runs the model's blocks (found as ``ft.checkpoint`` finds them: the children of its
 largest ``ModuleList``) one at a time: right before a block runs, its parameters are all-gathered
@@ -41,8 +46,10 @@ Composition:
 * ``ft.checkpoint`` and ``ft.autocast`` compose in any order. Under autocast without checkpoint,
   ``fsdp`` keeps the bf16/fp16 *casts* of each block's weights for backward (autocast makes them;
   half the bytes of the gathered block); with ``ft.checkpoint`` nothing of them is kept.
-* ``ft.compile`` (last): works for ``ddp``; the collectives break the graph. Not supported for the
-  sharded strategies (DTensor + flat collectives), where it is refused when the step is built.
+* ``ft.compile`` (last): works for ``ddp``, ``zero1`` and ``zero2`` (same result as eager; the
+  collectives and DTensor break the graph). Not for ``fsdp``: dynamo cannot trace the per-block
+  gathering (module hooks installed during the step, saved-tensor hooks); it falls back block by
+  block and the step gets far slower than eager. Use ``fsdp`` eagerly.
 * The model must be called through ``ft.apply`` inside the loss (``fsdp`` gathers there).
 * Randomness: each process folds its rank into the step's random stream, so dropout masks differ
   between ranks (as they would between the rows of one big batch), and a sharded run with dropout
@@ -579,10 +586,20 @@ def _on_shards(inner: GradientTransformation) -> GradientTransformation:
     takes_inplace = _accepts_inplace(inner.update)
 
     def update(updates, state, params=None, *, inplace=False):
-        with _LocalForeach():
-            if takes_inplace:
-                return inner.update(updates, state, params, inplace=inplace)
-            return inner.update(updates, state, params)
+        try:
+            with _LocalForeach():
+                if takes_inplace:
+                    return inner.update(updates, state, params, inplace=inplace)
+                return inner.update(updates, state, params)
+        except (RuntimeError, NotImplementedError) as e:
+            if "DTensor" not in str(e) and "harding" not in str(e):
+                raise
+            raise type(e)(
+                "ft.shard: the optimizer cannot run on sharded state: DTensor refused one of its "
+                f"operations ({str(e).strip().splitlines()[0]}). Use strategy 'ddp' with this "
+                "optimizer, or write the operation out of place (e.g. x.square() rather than "
+                "x.square_() on a reduced tensor) so that DTensor can finish the reduction first."
+            ) from e
 
     return GradientTransformation(inner.init, update)
 
@@ -646,15 +663,17 @@ def _track(t: torch.Tensor) -> None:
 
 @contextlib.contextmanager
 def track_gathered() -> Iterator[_Tracker]:
-    """Measure the whole-parameter memory that ``fsdp`` (and the zero update gather) allocate::
+    """Measure the whole parameters that ``fsdp`` holds while it steps::
 
         with track_gathered() as t:
             state, metrics = step(state, batch)
-        t.peak  # most bytes of gathered buffers alive at once
+        t.peak  # most bytes of gathered whole parameters alive at once
 
-    ``peak`` counts every buffer a gather makes (the flat receive buffer and the whole tensors cut
-    from it) for as long as anything holds it; add the shards (:func:`local_bytes`) for the
-    parameter memory of the process.
+    ``peak`` counts the whole tensors of every gather (forward, and again in backward) for as long
+    as anything holds them; add the shards (:func:`local_bytes`) for the parameter memory of the
+    process. Not counted: the flat receive buffer of the gather in progress (one group's size),
+    which lives only while it is cut into whole tensors (the collective backend may hold it a
+    moment longer).
     """
     tracker = _Tracker()
     _TRACKERS.append(tracker)
@@ -933,20 +952,19 @@ def shard(step: Step, strategy: str = "ddp", mesh: Any = None) -> Step:
 
     Args:
         step: an ``ft.Step`` (``accumulate``, ``checkpoint`` and ``autocast`` may come before or
-            after; ``compile`` after, for ``ddp`` only).
+            after; ``compile`` after, except for ``fsdp``).
         strategy: ``"ddp"``, ``"zero1"``, ``"zero2"`` or ``"fsdp"``.
         mesh: a 1-D ``DeviceMesh``; default :func:`default_mesh`.
 
     **Invariant:** N processes each given 1/N of the batch (any split, any padding) give the same
     state as one process given the whole batch: fp32, 1e-5 relative after several steps, for every
     strategy and with ``accumulate``/``checkpoint``/``autocast`` composed (differences are the
-    order of floating-point sums). Optimizers: every ``ftrain.optim`` optimizer whose math is
-    elementwise or uses global reductions (sgd, adam, adamw, lion, clipping) gives the same
-    result sharded.
+    order of floating-point sums). The optimizer math on shards is that of ddp (see the module
+    docstring for which optimizers give the same bits).
 
     Raises at build time: no process group (launch with torchrun and call
-    ``ft.distributed.init()``), an unknown strategy, shard applied twice, or ``compile`` of a
-    sharded strategy.
+    ``ft.distributed.init()``), an unknown strategy, a mesh that is not 1-D, shard applied twice.
+    At the first call: a state that :func:`shard_state` did not lay out for ``strategy``.
     """
     step = check_step(step, "shard")
     strategy = _check_strategy(strategy, "shard")

@@ -1,0 +1,237 @@
+"""Shard benchmark: per-rank memory by strategy, and step time relative to ddp, on 2 CPU
+processes (gloo), beside torch's own DistributedDataParallel and FSDP2 (``fully_shard``).
+
+    python benchmarks/shard.py            # about 3 minutes on a 2-core CPU; writes RESULTS.md
+    python benchmarks/shard.py --quick    # a smoke run at a tiny size, nothing written
+
+Model: ftrain's GPT (d=128, 4 blocks, seq 128), 8 rows per rank (16 in all), AdamW. Each of the
+two processes runs with one torch thread (two processes share the two cores).
+
+Memory, per rank, in bytes of tensors (what the strategy decides; the allocator and the torch
+runtime are the same for all): the params and optimizer state the rank keeps between steps
+(``local_bytes``: a DTensor counts its shard), the gradients it holds after the reduce phase, and
+for fsdp the most bytes of gathered whole parameters alive at once during a step
+(``track_gathered``). The torch rows count the same things from their modules and optimizers.
+
+Time: every variant runs once per round, rounds rotate the order, each rank times its own steps
+(ranks move in lockstep through their collectives), and a ratio is a ratio of rank 0's medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import ftrain as ft
+from ftrain.distributed import run_distributed
+from ftrain.models import GPT, GPTConfig
+from ftrain.transforms.shard import (
+    STRATEGIES,
+    local_bytes,
+    shard,
+    shard_state,
+    track_gathered,
+)
+
+SECTION = "Shard"
+
+
+def _bytes(tensors) -> int:
+    total = 0
+    for t in tensors:
+        if hasattr(t, "to_local"):
+            t = t.to_local()
+        total += t.numel() * t.element_size()
+    return total
+
+
+def _on_rank(cfg: GPTConfig, rows: int, rounds: int) -> dict:
+    """Runs on each of the two processes: every variant, interleaved."""
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    template = GPT(cfg)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randint(0, cfg.vocab_size, (rows, cfg.seq_len), generator=g)
+    batch = {"input": x, "target": torch.roll(x, -1, dims=1)}
+
+    def loss_fn(params, b):
+        return ft.losses.cross_entropy(ft.apply(template, params, b["input"]), b["target"])
+
+    runs, memory = {}, {}
+    for name in [*STRATEGIES, "fsdp+checkpoint"]:
+        strategy = name.split("+")[0]
+        opt = ft.optim.adamw(1e-3)
+        step = ft.train_step(loss_fn, opt, donate=True)
+        if name.endswith("checkpoint"):
+            step = ft.checkpoint(step)
+        step = shard(step, strategy)
+        box = [shard_state(ft.TrainState.create(ft.params_of(template), opt), strategy)]
+
+        def run(step=step, box=box):
+            box[0], metrics = step(box[0], batch)
+            float(metrics["loss"])  # wait for the step
+
+        run()
+        with track_gathered() as t:
+            run()
+        state = box[0]
+        whole_grads = strategy in ("ddp", "zero1")
+        memory[name] = {
+            "params": local_bytes(state.params),
+            "opt": local_bytes(state.opt_state),
+            "grads": local_bytes(unsharded(state.params)) if whole_grads else None,
+            "peak": t.peak if strategy == "fsdp" else None,
+        }
+        if memory[name]["grads"] is None:  # reduce-scattered: one shard of each gradient
+            memory[name]["grads"] = _shard_bytes(state.params, rank)
+        runs[name] = run
+
+    # torch's own: DDP and FSDP2, with torch.optim.AdamW (foreach)
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp_model = DistributedDataParallel(copy.deepcopy(template))
+    ddp_opt = torch.optim.AdamW(ddp_model.parameters(), lr=1e-3, foreach=True)
+    runs["torch DDP"] = _torch_run(ddp_model, ddp_opt, batch, cfg)
+    runs["torch DDP"]()
+    memory["torch DDP"] = {
+        "params": _bytes(ddp_model.parameters()),
+        "opt": _bytes(v for s in ddp_opt.state.values() for v in s.values()),
+        "grads": _bytes(p.grad for p in ddp_model.parameters()),
+        "peak": None,
+    }
+    try:
+        from torch.distributed.fsdp import fully_shard
+
+        fsdp_model = copy.deepcopy(template)
+        for block in fsdp_model.blocks:
+            fully_shard(block)
+        fully_shard(fsdp_model)
+        fsdp_opt = torch.optim.AdamW(fsdp_model.parameters(), lr=1e-3, foreach=True)
+        runs["torch FSDP2"] = _torch_run(fsdp_model, fsdp_opt, batch, cfg)
+        runs["torch FSDP2"]()
+        memory["torch FSDP2"] = {
+            "params": _bytes(fsdp_model.parameters()),
+            "opt": _bytes(v for s in fsdp_opt.state.values() for v in s.values()),
+            "grads": _bytes(p.grad for p in fsdp_model.parameters()),
+            "peak": None,
+        }
+    except Exception as e:  # noqa: BLE001 - report what torch could not do here
+        memory["torch FSDP2"] = {"error": f"{type(e).__name__}: {e}"[:200]}
+
+    wall = {k: [] for k in runs}
+    cpu = {k: [] for k in runs}
+    names = list(runs)
+    for r in range(rounds):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for k in order:
+            dist.barrier()
+            w, c = time.perf_counter(), time.process_time()
+            runs[k]()
+            wall[k].append(time.perf_counter() - w)
+            cpu[k].append(time.process_time() - c)
+    return {
+        "memory": memory,
+        "wall": {k: statistics.median(v) for k, v in wall.items()},
+        "cpu": {k: statistics.median(v) for k, v in cpu.items()},
+    }
+
+
+def unsharded(params):
+    return params  # ddp/zero1 keep whole params, and so whole gradients of the same size
+
+
+def _shard_bytes(params, rank) -> int:
+    """Bytes of this rank's Shard(0) rows of tensors shaped like ``params``."""
+    world = dist.get_world_size()
+    total = 0
+    for t in ft._tree.leaves(params):
+        if hasattr(t, "to_local"):
+            t = t.to_local()
+            total += t.numel() * t.element_size()
+            continue
+        n = t.shape[0] if t.dim() else 1
+        per = -(-n // world)
+        rows = max(0, min(per, n - rank * per))
+        total += rows * (t.numel() // max(n, 1)) * t.element_size()
+    return total
+
+
+def _torch_run(model, opt, batch, cfg):
+    def run():
+        opt.zero_grad(set_to_none=True)
+        logits = model(batch["input"])
+        loss = F.cross_entropy(logits.reshape(-1, cfg.vocab_size), batch["target"].reshape(-1))
+        loss.backward()
+        opt.step()
+        float(loss.detach())
+
+    return run
+
+
+def report(results: list[dict], setup: str) -> str:
+    r0 = results[0]
+    wall, cpu = r0["wall"], r0["cpu"]
+    mib = 1 << 20
+    lines = [
+        setup,
+        "",
+        "| variant | params MiB | optimizer MiB | grads MiB | peak whole params MiB | step ms "
+        "(wall) | / ddp | step ms (CPU) | / ddp |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name, m in r0["memory"].items():
+        if "error" in m:
+            lines.append(f"| {name} | not run: {m['error']} | | | | | | | |")
+            continue
+        peak = f"{m['peak'] / mib:.2f}" if m["peak"] is not None else ""
+        lines.append(
+            f"| {name} | {m['params'] / mib:.2f} | {m['opt'] / mib:.2f} | {m['grads'] / mib:.2f} "
+            f"| {peak} | {wall[name] * 1e3:.0f} | {wall[name] / wall['ddp']:.2f} "
+            f"| {cpu[name] * 1e3:.0f} | {cpu[name] / cpu['ddp']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="tiny sizes; print, write nothing")
+    p.add_argument("--rounds", type=int, default=15)
+    args = p.parse_args()
+    if args.quick:
+        cfg, rows, rounds = GPTConfig(seq_len=16, d_model=32, n_layer=2, n_head=2), 2, 3
+    else:
+        cfg, rows, rounds = GPTConfig(seq_len=128, d_model=128, n_layer=4, n_head=4), 8, args.rounds
+    load = os.getloadavg()[0]
+    results = run_distributed(_on_rank, 2, cfg, rows, rounds, timeout=3600)
+    whole = sum(p.numel() for p in GPT(cfg).parameters()) * 4
+    block = sum(p.numel() for p in GPT(cfg).blocks[0].parameters()) * 4
+    from _common import machine
+
+    setup = (
+        f"`python benchmarks/shard.py` on {machine()}; 2 processes (gloo), 1 torch thread each. "
+        f"GPT d={cfg.d_model}, {cfg.n_layer} blocks, seq {cfg.seq_len}, {rows} rows per rank, "
+        f"AdamW; median of {rounds} interleaved rounds, rank 0. Whole params: "
+        f"{whole / (1 << 20):.2f} MiB, one block {block / (1 << 20):.2f} MiB. Load average "
+        f"{load:.1f} at the start and {os.getloadavg()[0]:.1f} at the end. Bytes are those of "
+        "tensors per rank: params and optimizer state kept between steps, gradients after the "
+        "reduce, and (fsdp) the most gathered whole params alive at once. torch DDP averages "
+        "per-rank mean losses (not token-exact); ftrain's strategies are token-exact."
+    )
+    text = report(results, setup)
+    print(text)
+    if not args.quick:
+        from _common import write_section
+
+        write_section(SECTION, text)
+
+
+if __name__ == "__main__":
+    main()
