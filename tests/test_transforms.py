@@ -141,7 +141,7 @@ def test_checkpoint_modules_argument_picks_the_blocks():
 
 
 def test_all_orders_of_accumulate_checkpoint_autocast_agree():
-    _, step, state = setup(dropout=0.1)
+    _, step, state = setup(dropout=0.1, n_layer=2)
     batch = lm_batch(8)
     transforms = {
         "accumulate": lambda s: ft.accumulate(s, 4),
