@@ -16,6 +16,7 @@ from ftrain import _tree
 from ftrain.distributed import DistributedError, run_distributed
 from ftrain.models import GPT, GPTConfig
 from ftrain.testing import max_rel_error
+from ftrain.transforms.autocast import StaticLossScale
 from ftrain.transforms.shard import (
     STRATEGIES,
     local_bytes,
@@ -175,7 +176,29 @@ def _on_two_ranks(tmp: str) -> dict:
             state, _ = run(step, state, data[:2], rank)
             out["optimizer", name, strategy] = whole(unshard_state(state))
 
-    # 5. mistakes that are caught
+    # 5. fp16 loss scaling: the same as ddp; an overflow is skipped on every rank
+    for strategy in STRATEGIES:
+        model = gpt()
+        step = shard(ft.autocast(ft.train_step(lm_loss(model), sgd()), torch.float16), strategy)
+        state = step.init_extra(ft.TrainState.create(ft.params_of(model), sgd()))
+        state, _ = run(step, shard_state(state, strategy), data, rank)
+        huge = StaticLossScale(1e30)
+        step = shard(
+            ft.autocast(ft.train_step(lm_loss(model), sgd()), torch.float16, loss_scale=huge),
+            strategy,
+        )
+        before = shard_state(
+            step.init_extra(ft.TrainState.create(ft.params_of(model), sgd())), strategy
+        )
+        after, metrics = step(before, rows_of(data[0], rank))
+        out["fp16", strategy] = (
+            whole(unshard_state(state)),
+            bool(metrics["skipped"]),
+            whole(unshard_state(before)),
+            whole(unshard_state(after)),
+        )
+
+    # 6. mistakes that are caught
     errors = {}
     model = gpt()
     plain = ft.TrainState.create(ft.params_of(model), sgd())
@@ -261,6 +284,20 @@ def test_other_optimizers_on_shards_match_ddp(ranks, name, strategy):
     got, ddp = ranks[0]["optimizer", name, strategy], ranks[0]["optimizer", name, "ddp"]
     assert_close(got["params"], ddp["params"], 1e-6)
     assert_close(got["opt_state"], ddp["opt_state"], 1e-6)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_fp16_loss_scaling_matches_ddp_and_skips_overflow_everywhere(ranks, strategy):
+    """fp16 backpropagates each rank's count-normalized loss; the gradients are weighted by the
+    counts before any sum, so every strategy gives what ddp gives. An overflowing step (scale
+    1e30) is skipped on every rank and changes nothing."""
+    for r in ranks:
+        got, skipped, before, after = r["fp16", strategy]
+        ddp = r["fp16", "ddp"][0]
+        assert_close(got["params"], ddp["params"], 1e-6)
+        assert skipped
+        for part in ("params", "opt_state"):
+            assert all(torch.equal(before[part][k], after[part][k]) for k in before[part])
 
 
 # -- memory ----------------------------------------------------------------------------------------

@@ -46,6 +46,11 @@ Composition:
 * ``ft.checkpoint`` and ``ft.autocast`` compose in any order. Under autocast without checkpoint,
   ``fsdp`` keeps the bf16/fp16 *casts* of each block's weights for backward (autocast makes them;
   half the bytes of the gathered block); with ``ft.checkpoint`` nothing of them is kept.
+* fp16 loss scaling: each rank backpropagates its loss divided by its own token count, and the
+  step weights the gradients by that count afterwards; so under ``fsdp`` the gradients are
+  reduce-scattered once per step, after that (held whole until then), not during backward. A
+  step with non-finite gradients is skipped on every rank alike. fp16 results equal ddp's; against
+  one process they differ by fp16 rounding (the scaled activations differ).
 * ``ft.compile`` (last): works for ``ddp``, ``zero1`` and ``zero2`` (same result as eager; the
   collectives and DTensor break the graph). Not for ``fsdp``: dynamo cannot trace the per-block
   gathering (module hooks installed during the step, saved-tensor hooks); it falls back block by
@@ -346,6 +351,28 @@ def _gather_leaves(tensors: Sequence[torch.Tensor], mesh) -> list[torch.Tensor]:
     return out  # type: ignore[return-value]
 
 
+def _reduce_scatter_leaves(tensors: Sequence[torch.Tensor], mesh) -> list[torch.Tensor]:
+    """Sums over ranks of whole plain tensors, each rank keeping its ``Shard(0)`` rows as a
+    DTensor (0-d tensors are all-reduced and kept whole, ``Replicate()``). One flat
+    reduce-scatter per dtype."""
+    d = _dtensor()
+    rank, group = mesh.get_local_rank(), mesh.get_group()
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    scalars = [i for i, t in enumerate(tensors) if t.dim() == 0]
+    if scalars:
+        summed = [tensors[i].clone() for i in scalars]
+        _all_reduce_flat(summed, group)
+        for i, t in zip(scalars, summed):
+            out[i] = _wrap(t, mesh, (d.Replicate(),), t.shape, t.stride())
+    rows = [i for i, t in enumerate(tensors) if t.dim() > 0]
+    for idx in _by_dtype([tensors[i] for i in rows]).values():
+        chosen = [tensors[rows[j]].contiguous() for j in idx]
+        layout = _layout(tuple(t.shape for t in chosen), mesh.size())
+        for j, t, piece in zip(idx, chosen, layout.reduce_scatter(chosen, rank, group)):
+            out[rows[j]] = _wrap(piece, mesh, (d.Shard(0),), t.shape, t.stride())
+    return out  # type: ignore[return-value]
+
+
 def unshard(tree: TensorDictBase) -> TensorDictBase:
     """``tree`` with every DTensor leaf replaced by its whole, plain tensor (on every rank).
 
@@ -484,33 +511,28 @@ class _ReduceScatter:
         self.mesh = mesh
 
     def reduce(self, grads: list[torch.Tensor], sums: torch.Tensor) -> list[torch.Tensor]:
-        d, mesh = _dtensor(), self.mesh
-        rank, group = mesh.get_local_rank(), mesh.get_group()
-        out: list[torch.Tensor | None] = [None] * len(grads)
-        rows = [i for i, g in enumerate(grads) if g.dim() > 0]
-        scalars = [grads[i] for i in range(len(grads)) if grads[i].dim() == 0]
-        _all_reduce_flat([*scalars, sums], group)  # 0-d grads stay whole (Replicate)
-        for i, g in enumerate(grads):
-            if g.dim() == 0:
-                out[i] = _wrap(g, mesh, (d.Replicate(),), g.shape, g.stride())
-        for idx in _by_dtype([grads[i] for i in rows]).values():
-            chosen = [grads[rows[j]] for j in idx]
-            layout = _layout(tuple(g.shape for g in chosen), mesh.size())
-            pieces = layout.reduce_scatter(chosen, rank, group)
-            for j, g, p in zip(idx, chosen, pieces):
-                out[rows[j]] = _wrap(p, mesh, (d.Shard(0),), g.shape, g.stride())
-        return out  # type: ignore[return-value]
+        _all_reduce_flat([sums], self.mesh.get_group())
+        return _reduce_scatter_leaves(grads, self.mesh)
 
 
 class _CountsOnly:
-    """fsdp: the grads were reduce-scattered in backward; only the loss total and count remain."""
+    """fsdp: the grads were reduce-scattered in backward; the loss total and count remain. Under
+    fp16 loss scaling the backward leaves them unreduced (``Partial``, see :class:`_Session`) and
+    they are reduce-scattered here, once per step."""
 
     def __init__(self, mesh):
         self.mesh = mesh
 
-    def reduce(self, grads: list[torch.Tensor], sums: torch.Tensor) -> None:
-        del grads
+    def reduce(self, grads: list[torch.Tensor], sums: torch.Tensor) -> list[torch.Tensor] | None:
         dist.all_reduce(sums, group=self.mesh.get_group())
+        partial = [i for i, g in enumerate(grads) if g.placements[0].is_partial()]
+        if not partial:
+            return None
+        out = list(grads)
+        summed = _reduce_scatter_leaves([_local(grads[i]) for i in partial], self.mesh)
+        for i, g in zip(partial, summed):
+            out[i] = g
+        return out
 
 
 # -- the update phase ----------------------------------------------------------------------------
@@ -686,9 +708,10 @@ def track_gathered() -> Iterator[_Tracker]:
 class _Gathered:
     """One gather of one group of parameters (a block, or the model's other params)."""
 
-    def __init__(self, mesh, shards: list[torch.Tensor]):
+    def __init__(self, mesh, shards: list[torch.Tensor], defer: bool):
         self.mesh = mesh
         self.shards = shards  # the DTensors, in the order of the gathered outputs
+        self.defer = defer  # backward leaves the grads unreduced (Partial)
         self.again: list[torch.Tensor] | None = None  # re-gathered for backward, then dropped
 
     def gather(self) -> list[torch.Tensor]:
@@ -717,27 +740,14 @@ class _GatherFn(torch.autograd.Function):
     def backward(ctx, *grads):
         g: _Gathered = ctx.gathered
         g.again = None  # the block's backward is over: drop what it re-gathered
-        d, mesh = _dtensor(), g.mesh
-        rank, group = mesh.get_local_rank(), mesh.get_group()
         grads = [
             gr if gr is not None else torch.zeros(s.shape, dtype=s.dtype, device=s.device)
             for gr, s in zip(grads, g.shards)
         ]
-        out: list[torch.Tensor | None] = [None] * len(grads)
-        rows = [i for i, s in enumerate(g.shards) if s.dim() > 0]
-        scalars = [i for i, s in enumerate(g.shards) if s.dim() == 0]
-        if scalars:
-            summed = [grads[i].clone() for i in scalars]
-            _all_reduce_flat(summed, group)
-            for i, t in zip(scalars, summed):
-                out[i] = _wrap(t, mesh, (d.Replicate(),), t.shape, t.stride())
-        for idx in _by_dtype([grads[i] for i in rows]).values():
-            chosen = [grads[rows[j]].contiguous() for j in idx]
-            layout = _layout(tuple(x.shape for x in chosen), mesh.size())
-            for j, p in zip(idx, layout.reduce_scatter(chosen, rank, group)):
-                s = g.shards[rows[j]]
-                out[rows[j]] = _wrap(p, mesh, (d.Shard(0),), s.shape, s.stride())
-        return (None, *out)
+        if g.defer:  # each rank's own sum, reduced later by the reducer
+            partial = (_dtensor().Partial(),)
+            return (None, *(_wrap(x, g.mesh, partial, x.shape, x.stride()) for x in grads))
+        return (None, *_reduce_scatter_leaves(grads, g.mesh))
 
 
 class _Regather:
@@ -787,10 +797,16 @@ class _Session:
     tensors in right before a block runs and put the shards back right after. They are installed
     the first time ``ft.apply`` meets a module in this step and stay until the step ends, because
     ``ft.checkpoint`` runs blocks again during backward and those runs must gather too.
+
+    With ``defer`` (fp16 loss scaling) the backward of a gather leaves each rank's gradient
+    unreduced: the step backpropagates each rank's loss divided by that rank's own token count
+    and multiplies the gradients by the count afterwards, so they can only be summed across ranks
+    after that; the reducer does it once per step, and the gradients are held whole until then.
     """
 
-    def __init__(self, mesh):
+    def __init__(self, mesh, defer: bool = False):
         self.mesh = mesh
+        self.defer = defer
         self.handles: list[Any] = []
         self.installed: set[int] = set()
         self.stack: list[tuple[list, list, list[int]] | None] = []
@@ -840,7 +856,7 @@ class _Session:
         if not shards:
             self.stack.append(None)
             return
-        gathered = _Gathered(self.mesh, shards)
+        gathered = _Gathered(self.mesh, shards, self.defer)
         whole = _GatherFn.apply(gathered, *shards)
         ptrs = []
         if not inside and torch.is_grad_enabled():
@@ -886,8 +902,8 @@ _SESSIONS: list[_Session] = []
 @contextlib.contextmanager
 def _fsdp_step(mesh, state: TrainState) -> Iterator[None]:
     """Step context: one :class:`_Session` for the extent of the step (forward and backward)."""
-    del state
-    session = _Session(mesh)
+    fp16 = state is not None and "loss_scale" in state.extra.keys()
+    session = _Session(mesh, defer=fp16)
     _SESSIONS.append(session)
     try:
         yield
