@@ -16,6 +16,16 @@ from ftrain.testing import (
 B, D, H = 8, 16, 64  # rows, width, hidden width of each block
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Run this module's tiny models on one thread: they gain nothing from intra-op threads, and
+    on a busy 2-core machine two threads waiting for each other cost 100x the work itself."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 class Block(nn.Module):
     """relu(fc2(relu(fc1(x)))): keeps relu(fc1 x) (H floats a row) and its output (D) for backward."""
 
@@ -158,6 +168,7 @@ def test_max_rel_error():
 # --- assert_no_recompile (dynamo's "eager" backend: traces and guards, compiles nothing) -------
 
 
+@pytest.mark.slow
 def test_assert_no_recompile_passes_for_a_steady_step():
     torch._dynamo.reset()
     step, state = chain_step(1)
@@ -166,6 +177,7 @@ def test_assert_no_recompile_passes_for_a_steady_step():
     assert int(final.step) == 3 and len(history) == 3
 
 
+@pytest.mark.slow
 def test_assert_no_recompile_catches_a_recompile():
     torch._dynamo.reset()
     torch.manual_seed(0)
