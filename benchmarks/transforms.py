@@ -26,15 +26,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import datetime
 import os
-import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _common import machine, write_section  # benchmarks/_common.py, beside this script
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
@@ -42,8 +40,7 @@ import ftrain as ft
 from ftrain.models import GPT, GPTConfig
 from ftrain.testing import saved_activation_bytes, saved_bytes
 
-RESULTS = Path(__file__).with_name("RESULTS.md")
-SECTION = "## Transforms"
+SECTION = "Transforms"  # the section of benchmarks/RESULTS.md this script writes
 MICRO = 4  # micro-batches for accumulate
 
 
@@ -158,16 +155,6 @@ def measure(runs, rounds: int, warmup: int = 2) -> tuple[dict, dict]:
     return median(wall), median(cpu)
 
 
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    return cpu
-
-
 def report(wall: dict, cpu: dict, nbytes: dict, setup: str) -> str:
     """The markdown section: each ratio next to its target, then the raw numbers."""
     acc, ck, sel, bf = (
@@ -194,8 +181,6 @@ def report(wall: dict, cpu: dict, nbytes: dict, setup: str) -> str:
         rows.append((f"ftrain / torch, {name}", "bytes", (F_, name), (T_, name), None))
 
     lines = [
-        SECTION,
-        "",
         setup,
         "",
         "| ratio | of | CPU time (judged) | wall time | bytes | target | met |",
@@ -228,22 +213,6 @@ def report(wall: dict, cpu: dict, nbytes: dict, setup: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_section(path: Path, section: str) -> None:
-    """Replace (or append) this script's section of RESULTS.md, leaving the others alone."""
-    text = path.read_text() if path.exists() else "# Benchmark results\n"
-    lines = text.splitlines(keepends=True)
-    start = next((i for i, ln in enumerate(lines) if ln.rstrip() == SECTION), None)
-    if start is None:
-        new = text.rstrip("\n") + "\n\n" + section
-    else:
-        end = next(
-            (i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines)
-        )
-        tail = "".join(lines[end:])
-        new = "".join(lines[:start]) + section + ("\n" + tail if tail else "")
-    path.write_text(new)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a smoke run; RESULTS.md is not written")
@@ -262,9 +231,8 @@ def main() -> None:
     runs, nbytes = build(cfg, batch_size)
     wall, cpu = measure(runs, rounds)
     setup = (
-        f"`python benchmarks/transforms.py` on {machine()} ({os.cpu_count()} cores), "
-        f"{torch.get_num_threads()} torch thread(s), torch {torch.__version__}, "
-        f"{datetime.date.today().isoformat()}. GPT d={cfg.d_model}, {cfg.n_layer} blocks, seq "
+        f"`python benchmarks/transforms.py` on {machine()}. GPT d={cfg.d_model}, {cfg.n_layer} "
+        f"blocks, seq "
         f"{cfg.seq_len}, batch {batch_size}, AdamW, accumulate over {MICRO} micro-batches; median "
         f"of {rounds} interleaved rounds. Load average {load:.1f} at the start and "
         f"{os.getloadavg()[0]:.1f} at the end: the machine may be shared, so targets are judged "
@@ -272,11 +240,11 @@ def main() -> None:
         "wall time is shown beside it (one thread by default: see the script's docstring). "
         "Saved bytes: what the forward of the first micro-batch keeps for backward."
     )
-    section = report(wall, cpu, nbytes, setup)
-    print(section)
+    body = report(wall, cpu, nbytes, setup)
+    print(f"## {SECTION}\n\n{body}")
     if not args.quick:
-        write_section(RESULTS, section)
-        print(f"wrote the {SECTION!r} section of {RESULTS}")
+        write_section(SECTION, body)
+        print(f"wrote the {SECTION!r} section of benchmarks/RESULTS.md")
 
 
 if __name__ == "__main__":
