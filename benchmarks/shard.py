@@ -126,6 +126,23 @@ def _on_rank(cfg: GPTConfig, rows: int, rounds: int) -> dict:
     except Exception as e:  # noqa: BLE001 - report what torch could not do here
         memory["torch FSDP2"] = {"error": f"{type(e).__name__}: {e}"[:200]}
 
+    # fsdp's parameter memory as the model deepens: the shard grows, the gathered part does not
+    sweep = []
+    for n_layer in (2, 8, 16):
+        deep = GPT(GPTConfig(**{**cfg.__dict__, "n_layer": n_layer}))
+
+        def deep_loss(params, b, deep=deep):
+            return ft.losses.cross_entropy(ft.apply(deep, params, b["input"]), b["target"])
+
+        opt = ft.optim.adamw(1e-3)
+        step = shard(ft.train_step(deep_loss, opt, donate=True), "fsdp")
+        state = shard_state(ft.TrainState.create(ft.params_of(deep), opt), "fsdp")
+        state, _ = step(state, batch)
+        with track_gathered() as t:
+            state, _ = step(state, batch)
+        whole = sum(p.numel() * p.element_size() for p in deep.parameters())
+        sweep.append((n_layer, whole, local_bytes(state.params), t.peak))
+
     wall = {k: [] for k in runs}
     cpu = {k: [] for k in runs}
     names = list(runs)
@@ -138,6 +155,7 @@ def _on_rank(cfg: GPTConfig, rows: int, rounds: int) -> dict:
             wall[k].append(time.perf_counter() - w)
             cpu[k].append(time.process_time() - c)
     return {
+        "sweep": sweep,
         "memory": memory,
         "wall": {k: statistics.median(v) for k, v in wall.items()},
         "cpu": {k: statistics.median(v) for k, v in cpu.items()},
@@ -196,6 +214,19 @@ def report(results: list[dict], setup: str) -> str:
             f"| {name} | {m['params'] / mib:.2f} | {m['opt'] / mib:.2f} | {m['grads'] / mib:.2f} "
             f"| {peak} | {wall[name] * 1e3:.0f} | {wall[name] / wall['ddp']:.2f} "
             f"| {cpu[name] * 1e3:.0f} | {cpu[name] / cpu['ddp']:.2f} |"
+        )
+    lines += [
+        "",
+        "fsdp parameter memory per rank as the model deepens (same width): the shard is half the "
+        "params, the gathered part stays one block plus the params outside the blocks.",
+        "",
+        "| blocks | whole params MiB | shard MiB | peak gathered MiB | shard + peak / whole |",
+        "| ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for n_layer, whole, shard_bytes, peak in r0["sweep"]:
+        lines.append(
+            f"| {n_layer} | {whole / mib:.2f} | {shard_bytes / mib:.2f} | {peak / mib:.2f} "
+            f"| {(shard_bytes + peak) / whole:.2f} |"
         )
     return "\n".join(lines)
 
