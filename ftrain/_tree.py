@@ -5,73 +5,266 @@ nested ``TensorDict``. These helpers convert between the two, always in the orde
 ``td.keys(include_nested=True, leaves_only=True)``, so a list built from one tree can be put back
 into any tree with the same keys.
 
-They run on every step, several times, so plain ``TensorDict`` trees take a fast path that walks
-the underlying dicts directly (about 5x cheaper than the generic iterators); other TensorDict
-types go through the public API.
+:func:`flatten` returns the leaves and a :class:`TreeDef`, the tree's key structure. Tree
+definitions are interned (one object per structure, in eager mode), so what is derived from a
+structure (dotted paths, where a sub-tree's leaves start and stop) is computed once and then
+looked up. They run on every step, several times, so plain ``TensorDict`` trees take a fast path
+that walks the underlying dicts directly (several times cheaper than the generic iterators);
+other TensorDict types go through the public API and come back as plain nested TensorDicts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 from tensordict import TensorDict, TensorDictBase
 
+__all__ = [
+    "TreeDef",
+    "flatten",
+    "structure",
+    "leaves",
+    "first_leaf",
+    "paths",
+    "unflatten",
+    "from_flat",
+    "to_flat",
+]
+
 SEP = "."  # module paths never contain a dot inside one name, so "a.b.c" splits unambiguously
 _EMPTY_SIZE = torch.Size([])
+_GENERIC = "generic"  # marks a sub-tree that is not a plain TensorDict (rebuilt through from_flat)
 
 
 def _plain(td) -> bool:
-    return type(td) is TensorDict and not td.batch_size
+    return type(td) is TensorDict and not td._batch_size
 
 
-def _walk(td: TensorDict, out: list) -> list:
-    for v in td._tensordict.values():
+def _compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
+class TreeDef:
+    """The key structure of a nested TensorDict, without its tensors.
+
+    ``sig`` is a tuple with one entry per key, in order: the key itself for a tensor leaf,
+    ``(key, child_sig)`` for a plain sub-TensorDict, ``(key, "generic", paths)`` for any other
+    TensorDict type. Two trees with equal ``sig`` have the same keys in the same order, so leaf
+    lists of one fit the other. In eager mode :func:`flatten` returns one shared object per
+    ``sig``; compare with ``==`` (identity is the fast path).
+    """
+
+    __slots__ = ("sig", "n", "_entries", "_paths", "_spans", "_children", "_index", "__weakref__")
+
+    def __init__(self, sig: tuple):
+        self.sig = sig
+        entries = []
+        n = 0
+        for e in sig:
+            if isinstance(e, str):
+                entries.append((e, None, 1))
+                n += 1
+            elif e[1] == _GENERIC:
+                entries.append((e[0], e[2], len(e[2])))
+                n += len(e[2])
+            else:
+                child = _intern(e[1])
+                entries.append((e[0], child, child.n))
+                n += child.n
+        self._entries = tuple(entries)
+        self.n = n  # number of leaves
+        self._paths: tuple[str, ...] | None = None
+        self._spans: dict[str, tuple[int, int]] | None = None
+        self._children: dict[str, TreeDef] = {}
+        self._index: dict[str, int] | None = None
+
+    def __eq__(self, other) -> bool:
+        return self is other or (isinstance(other, TreeDef) and self.sig == other.sig)
+
+    def __hash__(self) -> int:
+        return hash(self.sig)
+
+    def __repr__(self) -> str:
+        return (
+            f"TreeDef({self.n} leaves: {', '.join(self.paths[:4])}{', ...' if self.n > 4 else ''})"
+        )
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        """The dotted key of every leaf, in leaf order."""
+        if self._paths is None:
+            out = []
+            for key, child, _ in self._entries:
+                if child is None:
+                    out.append(key)
+                else:
+                    sub = child if isinstance(child, tuple) else child.paths
+                    out.extend(key + SEP + p for p in sub)
+            self._paths = tuple(out)
+        return self._paths
+
+    def span(self, key: str) -> tuple[int, int]:
+        """``(start, stop)``: where the leaves under top-level ``key`` sit in the leaf list."""
+        if self._spans is None:
+            spans, i = {}, 0
+            for k, _, size in self._entries:
+                spans[k] = (i, i + size)
+                i += size
+            self._spans = spans
+        try:
+            return self._spans[key]
+        except KeyError:
+            raise KeyError(
+                f"the tree has no key {key!r}; its keys are {[e[0] for e in self._entries]}"
+            ) from None
+
+    def child(self, key: str) -> TreeDef:
+        """The structure of the sub-tree under top-level ``key``."""
+        got = self._children.get(key)
+        if got is None:
+            for k, child, _ in self._entries:
+                if k == key:
+                    if child is None:
+                        raise KeyError(f"{key!r} is a tensor, not a sub-tree")
+                    got = child if isinstance(child, TreeDef) else _from_paths(child)
+                    break
+            else:
+                raise KeyError(
+                    f"the tree has no key {key!r}; its keys are {[e[0] for e in self._entries]}"
+                )
+            self._children[key] = got
+        return got
+
+    def index(self, path: str) -> int:
+        """Position of the leaf with dotted key ``path`` in the leaf list."""
+        if self._index is None:
+            self._index = {p: i for i, p in enumerate(self.paths)}
+        return self._index[path]
+
+    def unflatten(self, values: Sequence[torch.Tensor]) -> TensorDict:
+        """A new TensorDict with this structure holding ``values`` (in leaf order, no copies)."""
+        if len(values) != self.n:
+            raise ValueError(
+                f"unflatten: {len(values)} tensors for a tree of {self.n} leaves "
+                f"({', '.join(self.paths[:3])}{', ...' if self.n > 3 else ''})."
+            )
+        return self._build(values, 0)
+
+    def _build(self, values: Sequence[torch.Tensor], i: int) -> TensorDict:
+        src = {}
+        for key, child, size in self._entries:
+            if child is None:
+                src[key] = values[i]
+            elif isinstance(child, TreeDef):
+                src[key] = child._build(values, i)
+            else:
+                src[key] = from_flat(dict(zip(child, values[i : i + size])))
+            i += size
+        if _compiling():
+            return TensorDict(src, batch_size=_EMPTY_SIZE)
+        return TensorDict._new_unsafe(src, batch_size=_EMPTY_SIZE, nested=False)
+
+
+_TREEDEFS: dict[tuple, TreeDef] = {}
+
+
+def _intern(sig: tuple) -> TreeDef:
+    if _compiling():  # never touch module state while dynamo traces: it would guard on it
+        return TreeDef(sig)
+    got = _TREEDEFS.get(sig)
+    if got is None:
+        if len(_TREEDEFS) > 4096:  # a program that keeps making new structures; stay bounded
+            _TREEDEFS.clear()
+        got = _TREEDEFS[sig] = TreeDef(sig)
+    return got
+
+
+def _sig(d: dict, out: list) -> tuple:
+    entries = []
+    for k, v in d.items():
         if isinstance(v, torch.Tensor):
             out.append(v)
+            entries.append(k)
+        elif _plain(v):
+            entries.append((k, _sig(v._tensordict, out)))
         else:
-            _walk(v, out) if _plain(v) else out.extend(leaves(v))
+            ps = tuple(paths(v))
+            out.extend(v.values(include_nested=True, leaves_only=True))
+            entries.append((k, _GENERIC, ps))
+    return tuple(entries)
+
+
+def _from_paths(ps: tuple[str, ...]) -> TreeDef:
+    """The structure :func:`from_flat` gives to a tree with these dotted paths."""
+    return structure(from_flat({p: torch.empty(0) for p in ps}))
+
+
+def flatten(td: TensorDictBase) -> tuple[list[torch.Tensor], TreeDef]:
+    """``(leaves, treedef)``: the leaf tensors of ``td`` in key order and its structure.
+
+    ``treedef.unflatten(leaves)`` rebuilds an equal tree (as plain nested TensorDicts).
+    """
+    out: list[torch.Tensor] = []
+    if _plain(td):
+        sig = _sig(td._tensordict, out)
+        return out, _intern(sig)
+    ps = tuple(k if isinstance(k, str) else SEP.join(k) for k in td.keys(True, True))
+    out.extend(td.values(include_nested=True, leaves_only=True))
+    return out, _from_paths(ps)
+
+
+def structure(td: TensorDictBase) -> TreeDef:
+    """The :class:`TreeDef` of ``td``."""
+    return flatten(td)[1]
+
+
+def _walk(d: dict, out: list) -> list:
+    for v in d.values():
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif _plain(v):
+            _walk(v._tensordict, out)
+        else:
+            out.extend(v.values(include_nested=True, leaves_only=True))
     return out
 
 
 def leaves(td: TensorDictBase) -> list[torch.Tensor]:
     """The leaf tensors of ``td`` in key order (no copies)."""
     if _plain(td):
-        return _walk(td, [])
+        return _walk(td._tensordict, [])
     return list(td.values(include_nested=True, leaves_only=True))
+
+
+def first_leaf(td: TensorDictBase) -> torch.Tensor:
+    """The first leaf tensor of ``td`` in key order, without listing the others (``IndexError``
+    if the tree holds no tensor)."""
+    if _plain(td):
+        for v in td._tensordict.values():
+            if isinstance(v, torch.Tensor):
+                return v
+            try:
+                return first_leaf(v)
+            except IndexError:
+                continue
+    else:
+        values = leaves(td)
+        if values:
+            return values[0]
+    raise IndexError("first_leaf: the tree holds no tensor")
 
 
 def paths(td: TensorDictBase) -> list[str]:
     """The dotted key of every leaf of ``td``, in the same order as :func:`leaves`."""
+    if _plain(td):
+        return list(structure(td).paths)
     return [k if isinstance(k, str) else SEP.join(k) for k in td.keys(True, True)]
-
-
-def _rebuild(like: TensorDict, it: Iterator[torch.Tensor]) -> TensorDict:
-    src = {}
-    for k, v in like._tensordict.items():
-        if isinstance(v, torch.Tensor):
-            src[k] = next(it)
-        elif _plain(v):
-            src[k] = _rebuild(v, it)
-        else:
-            n = len(leaves(v))
-            src[k] = _generic_unflatten(v, [next(it) for _ in range(n)])
-    return TensorDict._new_unsafe(src, batch_size=_EMPTY_SIZE)
-
-
-def _generic_unflatten(like: TensorDictBase, values: Sequence[torch.Tensor]) -> TensorDict:
-    return from_flat(dict(zip(paths(like), values, strict=True)))
 
 
 def unflatten(like: TensorDictBase, values: Sequence[torch.Tensor]) -> TensorDict:
     """A new TensorDict with the keys of ``like`` and the tensors ``values`` (same order)."""
-    if _plain(like):
-        it = iter(values)
-        out = _rebuild(like, it)
-        if next(it, None) is not None:
-            raise ValueError("unflatten: more values than leaves")
-        return out
-    return _generic_unflatten(like, values)
+    return structure(like).unflatten(values)
 
 
 def from_flat(flat: dict[str, torch.Tensor]) -> TensorDict:
@@ -83,4 +276,5 @@ def from_flat(flat: dict[str, torch.Tensor]) -> TensorDict:
 
 def to_flat(td: TensorDictBase) -> dict[str, torch.Tensor]:
     """``{"a.b.c": tensor}`` for every leaf of ``td``, in key order."""
-    return dict(zip(paths(td), leaves(td), strict=True))
+    values, tdef = flatten(td)
+    return dict(zip(tdef.paths, values))
