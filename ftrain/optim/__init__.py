@@ -11,7 +11,7 @@
 """
 
 from ftrain.optim import schedules
-from ftrain.optim.alias import OPTIMIZERS, adam, adamw, decay_mask, lion, sgd
+from ftrain.optim.alias import OPTIMIZERS, adafactor, adam, adamw, decay_mask, lion, sgd
 from ftrain.optim.base import (
     GradientTransformation,
     apply_if_finite,
@@ -22,6 +22,7 @@ from ftrain.optim.base import (
     state_bytes,
     stateless,
 )
+from ftrain.optim.factorized import scale_by_factored_rms, scale_by_param_block_rms
 from ftrain.optim.schedules import (
     constant,
     cosine_decay,
@@ -35,12 +36,14 @@ from ftrain.optim.schedules import (
 )
 from ftrain.optim.transforms import (
     add_decayed_weights,
+    clip_by_block_rms,
     clip_by_global_norm,
     global_norm,
     scale,
     scale_by_adam,
     scale_by_learning_rate,
     scale_by_lion,
+    scale_by_schedule,
     trace,
 )
 from ftrain.optim.updates import apply_updates
@@ -48,12 +51,14 @@ from ftrain.optim.updates import apply_updates
 __all__ = [
     "GradientTransformation",
     "OPTIMIZERS",
+    "adafactor",
     "adam",
     "adamw",
     "add_decayed_weights",
     "apply_if_finite",
     "apply_updates",
     "chain",
+    "clip_by_block_rms",
     "clip_by_global_norm",
     "constant",
     "cosine_decay",
@@ -70,8 +75,11 @@ __all__ = [
     "masked",
     "scale",
     "scale_by_adam",
+    "scale_by_factored_rms",
     "scale_by_learning_rate",
     "scale_by_lion",
+    "scale_by_param_block_rms",
+    "scale_by_schedule",
     "schedules",
     "sgd",
     "state_bytes",

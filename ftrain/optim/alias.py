@@ -6,19 +6,38 @@ import difflib
 import functools
 import inspect
 
+import torch
 from tensordict import TensorDict, TensorDictBase
 
 from ftrain import _tree
 from ftrain.optim.base import GradientTransformation, chain
+from ftrain.optim.factorized import scale_by_factored_rms, scale_by_param_block_rms
 from ftrain.optim.transforms import (
+    Schedule,
+    _as_schedule,
     add_decayed_weights,
+    clip_by_block_rms,
     scale_by_adam,
     scale_by_learning_rate,
     scale_by_lion,
+    scale_by_schedule,
     trace,
 )
 
-__all__ = ["sgd", "adam", "adamw", "lion", "decay_mask", "OPTIMIZERS"]
+__all__ = ["sgd", "adam", "adamw", "lion", "adafactor", "decay_mask", "OPTIMIZERS"]
+
+# Names other libraries use for an option, and how to say it here.
+_HINTS = {
+    "betas": "ftrain takes the betas separately: b1=..., b2=....",
+    "lr": "ftrain calls it learning_rate=....",
+    "beta2_decay": "ftrain calls it decay_rate and takes it positive: decay_rate=0.8 is "
+    "torch's beta2_decay=-0.8.",
+    "eps": "adafactor takes its two epsilons separately: eps1=..., eps2=....",
+    "d": "ftrain calls it clipping_threshold=....",
+    "foreach": "ftrain's optimizers are always multi-tensor; drop the option.",
+    "fused": "ftrain's optimizers are always multi-tensor; drop the option.",
+    "maximize": "negate the loss instead.",
+}
 
 
 def _checked(fn):
@@ -32,8 +51,8 @@ def _checked(fn):
             k = unknown[0]
             close = difflib.get_close_matches(k, list(sig.parameters), n=2)
             hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-            if k == "betas":
-                hint = " ftrain takes the betas separately: b1=..., b2=...."
+            if k in _HINTS and not (k == "eps" and "eps" in sig.parameters):
+                hint = " " + _HINTS[k]
             raise TypeError(
                 f"optim.{fn.__name__}: unknown option {k!r}.{hint} "
                 f"Options: {', '.join(sig.parameters)}."
@@ -44,9 +63,10 @@ def _checked(fn):
 
 
 def _check_range(fn: str, name: str, value: float, lo: float, hi: float | None = None) -> None:
-    if not isinstance(value, (int, float)) or value < lo or (hi is not None and value >= hi):
-        rng = f"[{lo}, {hi})" if hi is not None else f">= {lo}"
-        raise ValueError(f"optim.{fn}: {name} must be in {rng}, got {value!r}.")
+    bad = not isinstance(value, (int, float)) or isinstance(value, bool)
+    if bad or value < lo or (hi is not None and value >= hi) or value != value:
+        rng = f"in [{lo}, {hi})" if hi is not None else f">= {lo}"
+        raise ValueError(f"optim.{fn}: {name} must be a number {rng}, got {value!r}.")
 
 
 def _check_lr(fn: str, lr) -> None:
@@ -56,11 +76,18 @@ def _check_lr(fn: str, lr) -> None:
 
 def decay_mask(params: TensorDictBase) -> TensorDict:
     """True for the leaves that weight decay should touch: tensors with 2 or more dimensions
-    (matmul weights and embeddings), False for biases and normalization weights (1-d)."""
-    flat = _tree.to_flat(params)
-    import torch
+    (matmul weights and embeddings), False for biases and normalization weights (1-d).
 
-    return _tree.from_flat({k: torch.tensor(v.dim() >= 2) for k, v in flat.items()})
+    The result is keyed like ``params``; pass the function itself as ``mask=`` (it is evaluated
+    once per params structure).
+    """
+    if not isinstance(params, TensorDictBase):
+        raise TypeError(
+            f"decay_mask(params): params must be a TensorDict (ft.params_of(module)), got "
+            f"{type(params).__name__}."
+        )
+    values, tdef = _tree.flatten(params)
+    return tdef.unflatten([torch.tensor(v.dim() >= 2) for v in values])
 
 
 @_checked
@@ -154,4 +181,59 @@ def lion(
     )
 
 
-OPTIMIZERS = {"sgd": sgd, "adam": adam, "adamw": adamw, "lion": lion}
+def _relative_step(learning_rate: Schedule) -> Schedule:
+    """``min(1, 1 / (lr * sqrt(t)))`` with ``t = count + 1``: times ``lr`` it is Adafactor's
+    relative step size ``rho_t = min(lr, 1 / sqrt(t))``."""
+
+    def schedule(count):
+        lr = learning_rate(count).to(torch.float64)
+        return (1.0 / (lr * (count.to(torch.float64) + 1).sqrt())).clamp(max=1.0)
+
+    return schedule
+
+
+@_checked
+def adafactor(
+    learning_rate=1e-2,
+    decay_rate: float = 0.8,
+    eps1: float | None = None,
+    eps2: float = 1e-3,
+    clipping_threshold: float = 1.0,
+    weight_decay: float = 0.0,
+    mask=None,
+) -> GradientTransformation:
+    """Adafactor with factored second moments; matches ``torch.optim.Adafactor`` step for step.
+
+    The reference is ``torch.optim.Adafactor(lr, beta2_decay=-decay_rate, eps=(eps1, eps2),
+    d=clipping_threshold, weight_decay)`` (torch 2.5+): the step of a param ``p`` with gradient
+    ``g`` at step ``t`` is::
+
+        U   = g / sqrt(max(v_hat, eps1**2))          # scale_by_factored_rms (row/col for >= 2-d)
+        U  /= max(1, rms(U) / clipping_threshold)     # clip_by_block_rms
+        p  -= min(lr, 1/sqrt(t)) * max(eps2, rms(p)) * U + lr * weight_decay * p
+
+    as a chain of those building blocks, ``add_decayed_weights`` and ``scale_by_learning_rate``.
+    Like torch (and unlike the paper), ``learning_rate`` caps the relative step and scales the
+    decoupled weight decay; it may be a schedule, which torch would express by changing the
+    group's ``lr``. ``eps1=None`` is the dtype's machine epsilon. Optimizer memory for a
+    ``(R, C)`` matrix is ``R + C`` numbers.
+    """
+    _check_lr("adafactor", learning_rate)
+    _check_range("adafactor", "decay_rate", decay_rate, 0.0)
+    if eps1 is not None:
+        _check_range("adafactor", "eps1", eps1, 0.0)
+    _check_range("adafactor", "eps2", eps2, 0.0)
+    _check_range("adafactor", "clipping_threshold", clipping_threshold, 1.0)
+    _check_range("adafactor", "weight_decay", weight_decay, 0.0)
+    schedule = _as_schedule(learning_rate)
+    return chain(
+        scale_by_factored_rms(decay_rate, eps1),
+        clip_by_block_rms(clipping_threshold),
+        scale_by_param_block_rms(eps2),
+        scale_by_schedule(_relative_step(schedule)),
+        add_decayed_weights(weight_decay, mask),
+        scale_by_learning_rate(schedule),
+    )
+
+
+OPTIMIZERS = {"sgd": sgd, "adam": adam, "adamw": adamw, "lion": lion, "adafactor": adafactor}

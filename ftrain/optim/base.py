@@ -13,11 +13,17 @@ step built with ``donate=True`` avoids allocating a second copy of the optimizer
 Only the returned state carries behaviour over time; hyper-parameters that change (the learning
 rate along a schedule) are computed from counters in that state as tensors, so a compiled step never
 sees a new Python number and never recompiles.
+
+Inside, the built-in transforms work on *leaf lists* (see :class:`LeafContext`): ``chain`` hands
+lists of tensors from one transform to the next and the TensorDicts are built once, at the end,
+instead of once per transform. A transform written against the public ``update`` signature works
+everywhere too; ``chain`` converts for it.
 """
 
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -25,6 +31,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from ftrain import _tree
+from ftrain._tree import TreeDef
 
 __all__ = [
     "GradientTransformation",
@@ -37,6 +44,8 @@ __all__ = [
     "state_bytes",
 ]
 
+Leaves = list[torch.Tensor]
+
 
 class GradientTransformation(NamedTuple):
     """An optimizer (or one piece of one) as two pure functions, optax-style.
@@ -48,6 +57,24 @@ class GradientTransformation(NamedTuple):
 
     init: Callable[[TensorDictBase], TensorDictBase]
     update: Callable[..., tuple[TensorDictBase, TensorDictBase]]
+
+
+class LeafContext(NamedTuple):
+    """What a leaf-level update ``fn(updates, state, params, ctx) -> (updates, state)`` knows
+    besides its three lists of tensors (each in key order).
+
+    Rules for ``fn``: the returned state list has the structure ``ctx.state``; the returned update
+    tensors are new tensors or the incoming update tensors themselves, never tensors of the state
+    or of the params; nothing is written in place unless the flags below allow it.
+    """
+
+    tree: TreeDef  # key structure of the updates (and of the params)
+    state: TreeDef  # key structure of this transform's state
+    inplace: bool  # the state's tensors may be overwritten
+    owned: bool  # the incoming update tensors may be overwritten
+
+
+LeafUpdate = Callable[[Leaves, Leaves, "Leaves | None", LeafContext], tuple[Leaves, Leaves]]
 
 
 def empty_state() -> TensorDict:
@@ -63,20 +90,79 @@ def _accepts_inplace(fn: Callable) -> bool:
     return "inplace" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
-def _call(t: GradientTransformation, updates, state, params, inplace: bool, takes_inplace: bool):
-    if takes_inplace:
-        return t.update(updates, state, params, inplace=inplace)
-    return t.update(updates, state, params)
+def _params_leaves(params: TensorDictBase, tree: TreeDef, fn: str) -> Leaves:
+    p, pdef = _tree.flatten(params)
+    if pdef != tree:
+        want, got = set(tree.paths), set(pdef.paths)
+        if want == got:
+            detail = "the same keys in a different order"
+        else:
+            detail = f"missing {sorted(want - got)}, extra {sorted(got - want)}"
+        raise KeyError(
+            f"{fn}: params and updates must have the same keys in the same order; params have "
+            f"{detail}. Pass the params the updates were computed for."
+        )
+    return p
+
+
+def _leafwise(init: Callable, fn: LeafUpdate) -> GradientTransformation:
+    """A transformation whose public ``update`` flattens once, runs ``fn`` on leaf lists and
+    builds the TensorDicts once. ``chain`` and the train step call ``fn`` directly."""
+
+    def update(updates, state, params=None, *, inplace=False):
+        u, tree = _tree.flatten(updates)
+        s, sdef = _tree.flatten(state)
+        p = None if params is None else _params_leaves(params, tree, "update")
+        new_u, new_s = fn(u, s, p, LeafContext(tree, sdef, inplace, inplace))
+        return tree.unflatten(new_u), sdef.unflatten(new_s)
+
+    update._leaf_update = fn  # type: ignore[attr-defined]
+    return GradientTransformation(init, update)
+
+
+_ADAPTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def leaf_update(t: GradientTransformation) -> LeafUpdate:
+    """The leaf-level update of ``t`` (built-in transforms have one; for others, an adapter that
+    builds TensorDicts, calls ``t.update`` and flattens the result)."""
+    fn = getattr(t.update, "_leaf_update", None)
+    if fn is not None:
+        return fn
+    try:
+        return _ADAPTED[t.update]
+    except (KeyError, TypeError):
+        pass
+    takes_inplace = _accepts_inplace(t.update)
+
+    def adapted(u, s, p, ctx):
+        args = (ctx.tree.unflatten(u), ctx.state.unflatten(s))
+        args += (None,) if p is None else (ctx.tree.unflatten(p),)
+        if takes_inplace:
+            new_u, new_s = t.update(*args, inplace=ctx.inplace and ctx.owned)
+        else:
+            new_u, new_s = t.update(*args)
+        out_u, udef = _tree.flatten(new_u)
+        out_s, sdef = _tree.flatten(new_s)
+        if udef != ctx.tree or sdef != ctx.state:
+            what = "updates" if udef != ctx.tree else "state"
+            raise ValueError(
+                f"{getattr(t.update, '__qualname__', 't.update')} returned {what} whose keys "
+                f"differ from its input's; an update must keep the structure of the updates and "
+                "of its state (it is fixed at init)."
+            )
+        return out_u, out_s
+
+    try:
+        _ADAPTED[t.update] = adapted
+    except TypeError:
+        pass
+    return adapted
 
 
 def identity() -> GradientTransformation:
     """Leaves updates unchanged; no state."""
-
-    def update(updates, state, params=None, *, inplace=False):
-        del params, inplace
-        return updates, state
-
-    return GradientTransformation(lambda params: empty_state(), update)
+    return _leafwise(lambda params: empty_state(), lambda u, s, p, ctx: (u, s))
 
 
 def stateless(
@@ -88,18 +174,18 @@ def stateless(
     must not modify its inputs.
     """
 
-    def update(updates, state, params=None, *, inplace=False):
-        del inplace
-        p = None if params is None else _tree.leaves(params)
-        return _tree.unflatten(updates, fn(_tree.leaves(updates), p)), state
+    def update(u, s, p, ctx):
+        return list(fn(u, p)), s
 
-    return GradientTransformation(lambda params: empty_state(), update)
+    return _leafwise(lambda params: empty_state(), update)
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
     """Apply ``transforms`` one after another; the state is ``{"0": state0, "1": state1, ...}``.
 
     **Invariant:** ``chain(a, b).update(g, s, p)`` equals ``b.update(a.update(g, s0, p)[0], s1, p)``.
+    The updates pass from one transform to the next as lists of tensors; TensorDicts are built
+    once, for the result.
     """
     for i, t in enumerate(transforms):
         if not isinstance(t, GradientTransformation):
@@ -107,18 +193,35 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
                 f"chain: argument {i} is {type(t).__name__}, not a GradientTransformation. "
                 "Pass transforms such as optim.scale_by_adam(), not optimizer classes."
             )
-    takes_inplace = [_accepts_inplace(t.update) for t in transforms]
+    fns = [leaf_update(t) for t in transforms]
+    names = [str(i) for i in range(len(transforms))]
 
     def init(params):
-        return TensorDict({str(i): t.init(params) for i, t in enumerate(transforms)}, batch_size=[])
+        return TensorDict({n: t.init(params) for n, t in zip(names, transforms)}, batch_size=[])
 
-    def update(updates, state, params=None, *, inplace=False):
-        new_state = {}
-        for i, (t, ti) in enumerate(zip(transforms, takes_inplace)):
-            updates, new_state[str(i)] = _call(t, updates, state[str(i)], params, inplace, ti)
-        return updates, TensorDict(new_state, batch_size=[])
+    def update(u, s, p, ctx):
+        sdef = ctx.state
+        if len(sdef.sig) != len(names):
+            raise ValueError(
+                f"chain of {len(names)} transforms got a state with {len(sdef.sig)} entries; "
+                "build the state with this optimizer's init."
+            )
+        original = None if ctx.owned else u
+        owned = ctx.owned
+        new_s: Leaves = []
+        for name, fn in zip(names, fns):
+            lo, hi = sdef.span(name)
+            u, s_i = fn(u, s[lo:hi], p, LeafContext(ctx.tree, sdef.child(name), ctx.inplace, owned))
+            new_s.extend(s_i)
+            if not owned:  # once no caller tensor is passed through, the updates are ours
+                owned = not any(a is b for a, b in zip(u, original))
+        return u, new_s
 
-    return GradientTransformation(init, update)
+    return _leafwise(init, update)
+
+
+def _bool(v) -> bool:
+    return bool(v.item()) if isinstance(v, torch.Tensor) else bool(v)
 
 
 def _resolve_mask(mask, params: TensorDictBase) -> list[bool]:
@@ -135,17 +238,27 @@ def _resolve_mask(mask, params: TensorDictBase) -> list[bool]:
             f"extra {sorted(set(got) - set(want))}."
         )
     flat = _tree.to_flat(m)
-    return [bool(flat[k]) for k in want]
+    return [_bool(flat[k]) for k in want]
 
 
 def masked(inner: GradientTransformation, mask) -> GradientTransformation:
     """Apply ``inner`` only to the leaves where ``mask`` is True; pass the others through unchanged.
 
     ``mask`` is a TensorDict of booleans keyed like the params, or a function ``params -> mask``
-    (evaluated once per structure in ``init`` and ``update``). The inner state covers only the
-    selected leaves, so masked-out leaves cost no optimizer memory.
+    (evaluated once per params structure, that is keys and shapes, and remembered). The inner state
+    covers only the selected leaves, so masked-out leaves cost no optimizer memory.
     """
-    takes_inplace = _accepts_inplace(inner.update)
+    if not isinstance(inner, GradientTransformation):
+        raise TypeError(
+            f"masked(inner, mask): inner must be a GradientTransformation, got {type(inner).__name__}."
+        )
+    if not (callable(mask) or isinstance(mask, TensorDictBase)):
+        raise TypeError(
+            "masked(inner, mask): mask must be a TensorDict of booleans keyed like the params, or a "
+            f"function params -> such a TensorDict (e.g. optim.decay_mask); got {type(mask).__name__}."
+        )
+    inner_fn = leaf_update(inner)
+    cache: dict = {}
 
     def select(td, keep):
         flat = _tree.to_flat(td)
@@ -154,16 +267,32 @@ def masked(inner: GradientTransformation, mask) -> GradientTransformation:
     def init(params):
         return inner.init(select(params, _resolve_mask(mask, params)))
 
-    def update(updates, state, params=None, *, inplace=False):
-        keep = _resolve_mask(mask, params if params is not None else updates)
-        sub_u = select(updates, keep)
-        sub_p = None if params is None else select(params, keep)
-        new_sub, state = _call(inner, sub_u, state, sub_p, inplace, takes_inplace)
-        flat = _tree.to_flat(updates)
-        flat.update(_tree.to_flat(new_sub))
-        return _tree.unflatten(updates, [flat[k] for k in _tree.paths(updates)]), state
+    def resolve(tree: TreeDef, leaves: Leaves) -> tuple[list[int], TreeDef]:
+        key = (tree, tuple(t.shape for t in leaves)) if callable(mask) else tree
+        got = cache.get(key)
+        if got is None:
+            keep = _resolve_mask(mask, tree.unflatten(leaves))
+            idx = [i for i, k in enumerate(keep) if k]
+            sub = _tree.structure(select(tree.unflatten(leaves), keep))
+            got = (idx, sub)
+            if not _tree._compiling():
+                cache[key] = got
+        return got
 
-    return GradientTransformation(init, update)
+    def update(u, s, p, ctx):
+        idx, sub_tree = resolve(ctx.tree, p if p is not None else u)
+        if not idx:
+            return u, s
+        sub_u = [u[i] for i in idx]
+        sub_p = None if p is None else [p[i] for i in idx]
+        sub_ctx = LeafContext(sub_tree, ctx.state, ctx.inplace, ctx.owned)
+        new_sub, new_s = inner_fn(sub_u, s, sub_p, sub_ctx)
+        out = list(u)
+        for i, x in zip(idx, new_sub):
+            out[i] = x
+        return out, new_s
+
+    return _leafwise(init, update)
 
 
 def all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -179,11 +308,22 @@ def apply_if_finite(
 ) -> GradientTransformation:
     """Apply ``inner`` only when every update is finite; otherwise emit zero updates and keep state.
 
-    The state records ``notfinite_count`` (consecutive non-finite steps), ``total_notfinite`` and
-    ``last_finite`` (0-d tensors). After ``max_consecutive_errors`` bad steps in a row the bad
-    update is let through, as in optax. The choice is made with tensor ops: no host sync.
+    The state records ``notfinite_count`` (consecutive non-finite updates), ``total_notfinite``
+    and ``last_finite`` (0-d tensors). As in optax, once more than ``max_consecutive_errors``
+    non-finite updates came in a row, the update is let through (and the inner state moves on).
+    The choice is made with tensor ops: no host sync.
     """
-    takes_inplace = _accepts_inplace(inner.update)
+    if not isinstance(inner, GradientTransformation):
+        raise TypeError(
+            f"apply_if_finite(inner): inner must be a GradientTransformation, got "
+            f"{type(inner).__name__}."
+        )
+    if not isinstance(max_consecutive_errors, int) or max_consecutive_errors < 0:
+        raise ValueError(
+            f"apply_if_finite(max_consecutive_errors=...): must be an int >= 0, got "
+            f"{max_consecutive_errors!r}."
+        )
+    inner_fn = leaf_update(inner)
 
     def init(params):
         return TensorDict(
@@ -196,32 +336,42 @@ def apply_if_finite(
             batch_size=[],
         )
 
-    def update(updates, state, params=None, *, inplace=False):
-        del inplace  # the old state must survive a bad step, so never overwrite it
-        ok = all_finite(_tree.leaves(updates))
-        new_u, new_inner = _call(inner, updates, state["inner"], params, False, takes_inplace)
-        ok = ok | (state["notfinite_count"] >= max_consecutive_errors)
-        keep = lambda new, old: torch.where(ok, new, old)  # noqa: E731
-        u_leaves = [torch.where(ok, u, torch.zeros_like(u)) for u in _tree.leaves(new_u)]
-        inner_state = _tree.unflatten(
-            new_inner,
-            [keep(n, o) for n, o in zip(_tree.leaves(new_inner), _tree.leaves(state["inner"]))],
+    def update(u, s, p, ctx):
+        sdef = ctx.state
+        lo, hi = sdef.span("inner")
+        i_count, i_total, i_last = (
+            sdef.index("notfinite_count"),
+            sdef.index("total_notfinite"),
+            sdef.index("last_finite"),
         )
-        bad = (~ok).long()
-        new_state = TensorDict(
-            {
-                "inner": inner_state,
-                "notfinite_count": (state["notfinite_count"] + 1) * bad,
-                "total_notfinite": state["total_notfinite"] + bad,
-                "last_finite": ok,
-            },
-            batch_size=[],
-        )
-        return _tree.unflatten(new_u, u_leaves), new_state
+        finite = all_finite(u)
+        # the old state must survive a bad step, so the inner update never overwrites it
+        inner_ctx = LeafContext(ctx.tree, sdef.child("inner"), False, ctx.owned)
+        new_u, new_inner = inner_fn(u, s[lo:hi], p, inner_ctx)
+        bad = (~finite).long()
+        count = (s[i_count] + 1) * bad
+        ok = finite | (count > max_consecutive_errors)
+        out_u = [torch.where(ok, x, torch.zeros_like(x)) for x in new_u]
+        new_s = list(s)
+        new_s[lo:hi] = [torch.where(ok, n, o) for n, o in zip(new_inner, s[lo:hi])]
+        new_s[i_count] = count
+        new_s[i_total] = s[i_total] + bad
+        new_s[i_last] = finite
+        return out_u, new_s
 
-    return GradientTransformation(init, update)
+    return _leafwise(init, update)
 
 
 def state_bytes(opt_state: TensorDictBase) -> int:
-    """Bytes held by the tensors of an optimizer state (counters included)."""
+    """Bytes held by the tensors of an optimizer state (counters included).
+
+    Factored or masked states count what they really hold, so this is the number to compare
+    optimizers by (e.g. ``adamw`` holds two fp32 copies of the params, ``adafactor`` about
+    ``rows + cols`` per matrix).
+    """
+    if not isinstance(opt_state, TensorDictBase):
+        raise TypeError(
+            f"state_bytes(opt_state): expected a TensorDict (e.g. state.opt_state), got "
+            f"{type(opt_state).__name__}."
+        )
     return sum(t.numel() * t.element_size() for t in _tree.leaves(opt_state))

@@ -3,6 +3,11 @@
 The math is multi-tensor: every update walks the leaves once per ``torch._foreach_*`` kernel, not
 once per tensor per op. Counters are 0-d int64 tensors and scalar hyper-parameter math (bias
 corrections, schedules) runs in float64 tensors, so nothing here is a Python number that changes.
+
+Each transform is written as a leaf-level update ``fn(updates, state, params, ctx)`` over lists of
+tensors (see :class:`ftrain.optim.base.LeafContext`); ``ctx.owned`` says the incoming update
+tensors may be overwritten (inside a chain, after the first transform, they always may), and
+``ctx.inplace`` says the state's may.
 """
 
 from __future__ import annotations
@@ -12,9 +17,10 @@ from collections.abc import Callable
 import torch
 from tensordict import TensorDict
 
-from ftrain import _tree
 from ftrain.optim.base import (
     GradientTransformation,
+    LeafContext,
+    _leafwise,
     empty_state,
     masked,
 )
@@ -22,9 +28,11 @@ from ftrain.optim.base import (
 __all__ = [
     "scale",
     "scale_by_learning_rate",
+    "scale_by_schedule",
     "trace",
     "add_decayed_weights",
     "clip_by_global_norm",
+    "clip_by_block_rms",
     "global_norm",
     "scale_by_adam",
     "scale_by_lion",
@@ -41,8 +49,22 @@ def _count() -> torch.Tensor:
     return torch.zeros((), dtype=torch.int64)
 
 
-def _out(updates, values):
-    return _tree.unflatten(updates, values)
+def _mul(u: list[torch.Tensor], factor, owned: bool) -> list[torch.Tensor]:
+    """``u * factor``, in place when the update tensors are ours to overwrite."""
+    if owned:
+        torch._foreach_mul_(u, factor)
+        return u
+    return list(torch._foreach_mul(u, factor))
+
+
+def _same_keys(ctx: LeafContext, fn: str, *names: str) -> None:
+    """Check that the state's per-parameter sub-trees have the updates' keys, in their order."""
+    for name in names:
+        if ctx.state.child(name) != ctx.tree:
+            raise KeyError(
+                f"{fn}: state[{name!r}] does not have the keys of the updates (or not in the same "
+                "order). Build the state with this optimizer's init(params)."
+            )
 
 
 def global_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -54,27 +76,24 @@ def global_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 def scale(factor: float) -> GradientTransformation:
     """Multiply every update by the constant ``factor``."""
+    if not isinstance(factor, (int, float)) or isinstance(factor, bool):
+        raise TypeError(f"scale(factor): factor must be a number, got {factor!r}.")
 
-    def update(updates, state, params=None, *, inplace=False):
-        del params
-        u = _tree.leaves(updates)
-        if inplace:
-            torch._foreach_mul_(u, factor)
-            return updates, state
-        return _out(updates, torch._foreach_mul(u, factor)), state
+    def update(u, s, p, ctx):
+        return _mul(u, factor, ctx.owned), s
 
-    return GradientTransformation(lambda params: empty_state(), update)
+    return _leafwise(lambda params: empty_state(), update)
 
 
-def _as_schedule(lr: float | Schedule) -> Schedule:
+def _as_schedule(lr: float | Schedule, name: str = "learning rate") -> Schedule:
     if callable(lr):
         return lr
     if not isinstance(lr, (int, float)) or isinstance(lr, bool):
-        raise TypeError(f"learning rate must be a number or a schedule function, got {lr!r}.")
+        raise TypeError(f"{name} must be a number or a schedule function, got {lr!r}.")
     if lr < 0:
-        raise ValueError(f"learning rate must be >= 0, got {lr}.")
+        raise ValueError(f"{name} must be >= 0, got {lr}.")
     value = float(lr)
-    return lambda count: torch.full((), value, dtype=torch.float64)
+    return lambda count: torch.full((), value, dtype=torch.float64, device=count.device)
 
 
 def scale_by_learning_rate(
@@ -95,20 +114,41 @@ def scale_by_learning_rate(
             {"count": _count(), "lr": torch.zeros((), dtype=torch.float32)}, batch_size=[]
         )
 
-    def update(updates, state, params=None, *, inplace=False):
-        del params
-        count = state["count"]
+    def update(u, s, p, ctx):
+        i_count, i_lr = ctx.state.index("count"), ctx.state.index("lr")
+        count = s[i_count]
         lr = schedule(count).to(torch.float64)
-        u = _tree.leaves(updates)
-        factor = (sign * lr).to(torch.float32)
-        if inplace:
-            torch._foreach_mul_(u, factor)
-            out = updates
-        else:
-            out = _out(updates, torch._foreach_mul(u, factor))
-        return out, TensorDict({"count": count + 1, "lr": lr.to(torch.float32)}, batch_size=[])
+        u = _mul(u, (sign * lr).to(torch.float32), ctx.owned)
+        new_s = list(s)
+        new_s[i_count], new_s[i_lr] = count + 1, lr.to(torch.float32)
+        return u, new_s
 
-    return GradientTransformation(init, update)
+    return _leafwise(init, update)
+
+
+def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
+    """Multiply updates by ``step_size_fn(count)``, ``count`` being the number of updates applied
+    so far (0 for the first). The state holds ``count``. Unlike :func:`scale_by_learning_rate`,
+    the sign is kept and nothing is reported as ``lr``."""
+    if not callable(step_size_fn):
+        raise TypeError(
+            f"scale_by_schedule(step_size_fn): expected a function count -> factor, got "
+            f"{step_size_fn!r}. For a constant use optim.scale(factor)."
+        )
+
+    def init(params):
+        del params
+        return TensorDict({"count": _count()}, batch_size=[])
+
+    def update(u, s, p, ctx):
+        i_count = ctx.state.index("count")
+        count = s[i_count]
+        u = _mul(u, step_size_fn(count).to(torch.float32), ctx.owned)
+        new_s = list(s)
+        new_s[i_count] = count + 1
+        return u, new_s
+
+    return _leafwise(init, update)
 
 
 def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
@@ -120,28 +160,32 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
     def init(params):
         return TensorDict({"trace": _zeros(params)}, batch_size=[])
 
-    def update(updates, state, params=None, *, inplace=False):
-        del params
-        g = _tree.leaves(updates)
-        m = _tree.leaves(state["trace"])
-        if inplace:
+    def update(g, s, p, ctx):
+        _same_keys(ctx, "trace", "trace")
+        lo, hi = ctx.state.span("trace")
+        m = s[lo:hi]
+        if ctx.inplace:
             torch._foreach_mul_(m, decay)
             torch._foreach_add_(m, g)
-            new_m = m
         else:
-            new_m = torch._foreach_add(torch._foreach_mul(m, decay), g)
+            m = torch._foreach_mul(m, decay)
+            torch._foreach_add_(m, g)
         if nesterov:
-            u = torch._foreach_add(g, new_m, alpha=decay)
+            if ctx.owned:
+                torch._foreach_add_(g, m, alpha=decay)
+                u = g
+            else:
+                u = list(torch._foreach_add(g, m, alpha=decay))
+        elif ctx.owned:  # the update must not alias the state: copy m into the update buffers
+            torch._foreach_copy_(g, m)
+            u = g
         else:
-            u = new_m if not inplace else [t.clone() for t in new_m]
-        new_state = (
-            state
-            if inplace
-            else TensorDict({"trace": _tree.unflatten(state["trace"], new_m)}, batch_size=[])
-        )
-        return _out(updates, u), new_state
+            u = [t.clone() for t in m]
+        new_s = list(s)
+        new_s[lo:hi] = m
+        return u, new_s
 
-    return GradientTransformation(init, update)
+    return _leafwise(init, update)
 
 
 def add_decayed_weights(weight_decay: float = 0.0, mask=None) -> GradientTransformation:
@@ -150,41 +194,62 @@ def add_decayed_weights(weight_decay: float = 0.0, mask=None) -> GradientTransfo
     ``mask`` (a TensorDict of booleans or a function ``params -> mask``, e.g.
     :func:`ftrain.optim.decay_mask`) limits the decay to the leaves where it is True.
     """
+    if not isinstance(weight_decay, (int, float)) or isinstance(weight_decay, bool):
+        raise TypeError(
+            f"add_decayed_weights(weight_decay): expected a number, got {weight_decay!r}."
+        )
 
-    def update(updates, state, params=None, *, inplace=False):
-        if params is None:
+    def update(u, s, p, ctx):
+        if p is None:
             raise ValueError(
                 "add_decayed_weights needs params: call update(updates, state, params)."
             )
         if weight_decay == 0.0:
-            return updates, state
-        u, p = _tree.leaves(updates), _tree.leaves(params)
-        if inplace:
+            return u, s
+        if ctx.owned:
             torch._foreach_add_(u, p, alpha=weight_decay)
-            return updates, state
-        return _out(updates, torch._foreach_add(u, p, alpha=weight_decay)), state
+            return u, s
+        return list(torch._foreach_add(u, p, alpha=weight_decay)), s
 
-    t = GradientTransformation(lambda params: empty_state(), update)
+    t = _leafwise(lambda params: empty_state(), update)
     return masked(t, mask) if mask is not None else t
 
 
 def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     """Scale all updates by ``min(1, max_norm / global_norm)`` so their joint L2 norm is at most
     ``max_norm``. No host sync: the factor stays a tensor."""
-    if max_norm <= 0:
-        raise ValueError(f"clip_by_global_norm(max_norm): must be > 0, got {max_norm}.")
+    if not isinstance(max_norm, (int, float)) or isinstance(max_norm, bool) or max_norm <= 0:
+        raise ValueError(f"clip_by_global_norm(max_norm): must be a number > 0, got {max_norm!r}.")
 
-    def update(updates, state, params=None, *, inplace=False):
-        del params
-        u = _tree.leaves(updates)
+    def update(u, s, p, ctx):
         norm = global_norm(u)
         factor = (max_norm / norm.clamp_min(torch.finfo(norm.dtype).tiny)).clamp(max=1.0)
-        if inplace:
-            torch._foreach_mul_(u, factor)
-            return updates, state
-        return _out(updates, torch._foreach_mul(u, factor)), state
+        return _mul(u, factor, ctx.owned), s
 
-    return GradientTransformation(lambda params: empty_state(), update)
+    return _leafwise(lambda params: empty_state(), update)
+
+
+def _norms_and_roots(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """1-d float64 tensors: each tensor's L2 norm (one multi-tensor kernel) and ``sqrt(numel)``."""
+    norms = torch.stack(torch._foreach_norm(tensors)).to(torch.float64)
+    roots = torch.tensor([t.numel() ** 0.5 for t in tensors], dtype=torch.float64)
+    return norms, roots.to(norms.device)
+
+
+def clip_by_block_rms(threshold: float) -> GradientTransformation:
+    """Divide each update tensor by ``max(1, rms(update) / threshold)``, so no tensor's root mean
+    square exceeds ``threshold`` (Adafactor's update clipping, ``d`` in ``torch.optim.Adafactor``).
+    ``rms(t) = ||t|| / sqrt(numel(t))``; the factor is a tensor (no host sync)."""
+    if not isinstance(threshold, (int, float)) or isinstance(threshold, bool) or threshold <= 0:
+        raise ValueError(f"clip_by_block_rms(threshold): must be a number > 0, got {threshold!r}.")
+
+    def update(u, s, p, ctx):
+        norms, roots = _norms_and_roots(u)
+        denom = (norms / (roots * threshold)).clamp_min(1.0)  # torch: max(1, ||U|| / (sqrt(n) d))
+        factors = list(denom.reciprocal().to(torch.float32).unbind())
+        return _mul(u, factors, ctx.owned), s
+
+    return _leafwise(lambda params: empty_state(), update)
 
 
 def scale_by_adam(
@@ -192,8 +257,10 @@ def scale_by_adam(
 ) -> GradientTransformation:
     """Adam's direction: ``m_hat / (sqrt(v_hat + eps_root) + eps)`` with bias-corrected moments.
 
-    State: ``count`` (int64), ``mu`` and ``nu`` (fp32, like the params). Arithmetic follows
-    ``torch.optim.Adam``'s foreach path (lerp for the first moment, bias corrections in float64).
+    State: ``count`` (int64), ``mu`` and ``nu`` (fp32, like the params). The moments follow
+    ``torch.optim.Adam``'s foreach path (lerp for the first moment, ``mul`` + ``addcmul`` for the
+    second, bias corrections in float64); the direction is computed as
+    ``mu / (sqrt(nu) * (bc1 / sqrt(bc2)) + eps * bc1)``, one kernel fewer than dividing twice.
     """
 
     def init(params):
@@ -201,43 +268,36 @@ def scale_by_adam(
             {"count": _count(), "mu": _zeros(params), "nu": _zeros(params)}, batch_size=[]
         )
 
-    def update(updates, state, params=None, *, inplace=False):
-        del params
-        g = _tree.leaves(updates)
-        mu, nu = _tree.leaves(state["mu"]), _tree.leaves(state["nu"])
-        count = state["count"] + 1
-        if inplace:
+    def update(g, s, p, ctx):
+        sdef = ctx.state
+        _same_keys(ctx, "scale_by_adam", "mu", "nu")
+        i_count = sdef.index("count")
+        (m_lo, m_hi), (v_lo, v_hi) = sdef.span("mu"), sdef.span("nu")
+        mu, nu = s[m_lo:m_hi], s[v_lo:v_hi]
+        count = s[i_count] + 1
+        if ctx.inplace:
             torch._foreach_lerp_(mu, g, 1 - b1)
             torch._foreach_mul_(nu, b2)
             torch._foreach_addcmul_(nu, g, g, 1 - b2)
         else:
             mu = torch._foreach_lerp(mu, g, 1 - b1)
-            nu = torch._foreach_addcmul(torch._foreach_mul(nu, b2), g, g, 1 - b2)
+            nu = torch._foreach_mul(nu, b2)
+            torch._foreach_addcmul_(nu, g, g, 1 - b2)
         t = count.to(torch.float64)
-        bc1 = (1 - b1**t).to(torch.float32)
-        bc2_sqrt = (1 - b2**t).sqrt().to(torch.float32)
-        if eps_root:
-            denom = torch._foreach_sqrt(torch._foreach_add(nu, eps_root))
-        else:
-            denom = torch._foreach_sqrt(nu)
-        torch._foreach_div_(denom, bc2_sqrt)
-        torch._foreach_add_(denom, eps)
-        u = torch._foreach_div(mu, denom)
-        torch._foreach_div_(u, bc1)
-        if inplace:
-            state["count"] = count
-            return _out(updates, u), state
-        new_state = TensorDict(
-            {
-                "count": count,
-                "mu": _tree.unflatten(state["mu"], mu),
-                "nu": _tree.unflatten(state["nu"], nu),
-            },
-            batch_size=[],
-        )
-        return _out(updates, u), new_state
+        bc1 = 1 - b1**t
+        bc2_sqrt = (1 - b2**t).sqrt()
+        denom = torch._foreach_add(nu, eps_root) if eps_root else nu
+        denom = torch._foreach_sqrt(denom)
+        torch._foreach_mul_(denom, (bc1 / bc2_sqrt).to(torch.float32))
+        torch._foreach_add_(denom, (eps * bc1).to(torch.float32))
+        u = list(torch._foreach_div(mu, denom))
+        new_s = list(s)
+        new_s[i_count] = count
+        new_s[m_lo:m_hi] = mu
+        new_s[v_lo:v_hi] = nu
+        return u, new_s
 
-    return GradientTransformation(init, update)
+    return _leafwise(init, update)
 
 
 def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
@@ -247,17 +307,18 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
     def init(params):
         return TensorDict({"mu": _zeros(params)}, batch_size=[])
 
-    def update(updates, state, params=None, *, inplace=False):
-        del params
-        g = _tree.leaves(updates)
-        m = _tree.leaves(state["mu"])
-        u = torch._foreach_sign(torch._foreach_lerp(m, g, 1 - b1))
-        if inplace:
+    def update(g, s, p, ctx):
+        _same_keys(ctx, "scale_by_lion", "mu")
+        lo, hi = ctx.state.span("mu")
+        m = s[lo:hi]
+        u = list(torch._foreach_lerp(m, g, 1 - b1))
+        torch._foreach_sign_(u)
+        if ctx.inplace:
             torch._foreach_lerp_(m, g, 1 - b2)
-            return _out(updates, u), state
-        new_m = torch._foreach_lerp(m, g, 1 - b2)
-        return _out(updates, u), TensorDict(
-            {"mu": _tree.unflatten(state["mu"], new_m)}, batch_size=[]
-        )
+        else:
+            m = torch._foreach_lerp(m, g, 1 - b2)
+        new_s = list(s)
+        new_s[lo:hi] = m
+        return u, new_s
 
-    return GradientTransformation(init, update)
+    return _leafwise(init, update)

@@ -15,12 +15,22 @@ def apply_updates(
 ) -> TensorDictBase:
     """``params + updates`` leaf by leaf (one multi-tensor kernel).
 
-    Returns a new TensorDict, or ``params`` itself updated in place with ``inplace=True``.
+    Returns a new TensorDict, or ``params`` itself updated in place with ``inplace=True``. The two
+    trees must have the same keys in the same order (an error names the difference).
     """
-    p, u = _tree.leaves(params), _tree.leaves(updates)
-    if len(p) != len(u):
-        raise ValueError(f"apply_updates: {len(p)} params but {len(u)} updates.")
+    p, pdef = _tree.flatten(params)
+    u, udef = _tree.flatten(updates)
+    if pdef != udef:
+        want, got = set(pdef.paths), set(udef.paths)
+        raise KeyError(
+            f"apply_updates: updates do not have the params' keys: missing {sorted(want - got)}, "
+            f"extra {sorted(got - want)}"
+            + (" (same keys, different order)" if want == got else "")
+            + ". Pass the updates the optimizer returned for these params."
+        )
+    if not p:
+        return params if inplace else pdef.unflatten([])
     if inplace:
         torch._foreach_add_(p, u)
         return params
-    return _tree.unflatten(params, torch._foreach_add(p, u))
+    return pdef.unflatten(torch._foreach_add(p, u))
