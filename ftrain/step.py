@@ -29,9 +29,8 @@ from tensordict import TensorDict
 
 from ftrain import _tree
 from ftrain.losses import Loss, as_loss
-from ftrain.optim.base import GradientTransformation, _accepts_inplace, all_finite
+from ftrain.optim.base import GradientTransformation, LeafContext, all_finite, leaf_update
 from ftrain.optim.transforms import global_norm
-from ftrain.optim.updates import apply_updates
 from ftrain.state import TrainState
 
 __all__ = ["Step", "train_step", "StepFn", "split_batch", "wrap"]
@@ -187,8 +186,9 @@ class Step:
         Returns ``(grads, total, count, aux)``: gradient leaves in the params' key order, the sum
         of the loss totals and of the counts, and aux metrics averaged over micro-batches.
         """
-        leaves = [p.detach().requires_grad_(True) for p in _tree.leaves(params)]
-        p_in = _tree.unflatten(params, leaves)
+        values, tree = _tree.flatten(params)
+        leaves = [p.detach().requires_grad_(True) for p in values]
+        p_in = tree.unflatten(leaves)
         micro = split_batch(batch, self.micro_batches)
         grads: list[torch.Tensor] | None = None
         total = count = None
@@ -222,25 +222,30 @@ class Step:
         finite: torch.Tensor | None = None,
     ) -> tuple[TrainState, TensorDict]:
         """Phase 4: the optimizer update from normalized ``grads``; returns the new params and
-        optimizer state. With ``finite`` (a 0-d bool tensor), a non-finite step changes nothing."""
-        grads_td = _tree.unflatten(state.params, grads)
+        optimizer state. With ``finite`` (a 0-d bool tensor), a non-finite step changes nothing.
+
+        ``grads`` belong to the step: the optimizer may overwrite them (no copy is made)."""
+        params, tree, opt_state, sdef = self._update_leaves(state, grads, finite)
+        return tree.unflatten(params), sdef.unflatten(opt_state)
+
+    def _update_leaves(
+        self, state: TrainState, grads: list[torch.Tensor], finite: torch.Tensor | None
+    ) -> tuple[list[torch.Tensor], _tree.TreeDef, list[torch.Tensor], _tree.TreeDef]:
+        # The optimizer runs on leaf lists; TensorDicts are built once, by the caller.
+        p, tree = _tree.flatten(state.params)
+        s, sdef = _tree.flatten(state.opt_state)
         inplace = self.donate and finite is None
-        if _accepts_inplace(self.optimizer.update):
-            updates, opt_state = self.optimizer.update(
-                grads_td, state.opt_state, state.params, inplace=inplace
-            )
+        ctx = LeafContext(tree, sdef, inplace, True)
+        u, new_s = leaf_update(self.optimizer)(grads, s, p, ctx)
+        if finite is not None:
+            u = [torch.where(finite, x, torch.zeros_like(x)) for x in u]
+            new_s = [torch.where(finite, n, o) for n, o in zip(new_s, s)]
+        if self.donate:  # params + updates, one multi-tensor kernel
+            torch._foreach_add_(p, u)
+            new_p = p
         else:
-            updates, opt_state = self.optimizer.update(grads_td, state.opt_state, state.params)
-        if finite is None:
-            return apply_updates(state.params, updates, inplace=self.donate), opt_state
-        keep = lambda new, old: torch.where(finite, new, old)  # noqa: E731
-        u = [torch.where(finite, x, torch.zeros_like(x)) for x in _tree.leaves(updates)]
-        params = apply_updates(state.params, _tree.unflatten(updates, u), inplace=self.donate)
-        old = _tree.leaves(state.opt_state)
-        opt_state = _tree.unflatten(
-            opt_state, [keep(n, o) for n, o in zip(_tree.leaves(opt_state), old)]
-        )
-        return params, opt_state
+            new_p = list(torch._foreach_add(p, u))
+        return new_p, tree, new_s, sdef
 
     def core(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
         """Phases 1-4 without the RNG seeding, step contexts or wrappers (what ``compile``
@@ -261,24 +266,23 @@ class Step:
         grad_norm = _whole(global_norm(grads))
 
         finite = _whole(all_finite(grads)) if scaler is not None else None
-        params, opt_state = self.update(state, grads, finite)
+        p, tree, s, sdef = self._update_leaves(state, grads, finite)  # phase 4 (see update)
         extra = state.extra
         if scaler is not None:
             extra = extra.clone(recurse=False)
             extra["loss_scale"] = scaler.update(state.extra["loss_scale"], finite)
-        new_state = TrainState(
-            params=params,
-            opt_state=opt_state,
+        new_state = _new_state(
+            params=tree.unflatten(p),
+            opt_state=sdef.unflatten(s),
             step=state.step + 1,
             rng=state.rng,
             extra=extra,
-            batch_size=[],
         )
         metrics = {
             "loss": total / count.clamp_min(1),
             "count": count,
             "grad_norm": grad_norm,
-            "lr": _find_lr(opt_state),
+            "lr": _find_lr(s, sdef),
             **aux,
         }
         if scaler is not None:
@@ -301,7 +305,7 @@ class Step:
             )
         self._check_batch(batch)
         state = self.init_extra(state)
-        device = _tree.leaves(state.params)[0].device
+        device = _tree.first_leaf(state.params).device
         with contextlib.ExitStack() as stack:
             stack.enter_context(_seeded(state, device))
             for ctx in self.step_contexts:
@@ -318,6 +322,9 @@ class Step:
                 )
 
 
+_LR_INDEX: dict[_tree.TreeDef, int | None] = {}
+
+
 def _whole(x: torch.Tensor) -> torch.Tensor:
     """A plain tensor for a value reduced from sharded (DTensor) gradients, e.g. their norm."""
     if type(x) is torch.Tensor or not hasattr(x, "full_tensor"):
@@ -325,12 +332,29 @@ def _whole(x: torch.Tensor) -> torch.Tensor:
     return x.full_tensor()
 
 
-def _find_lr(opt_state: TensorDict) -> torch.Tensor:
-    """The ``lr`` leaf the optimizer recorded (from ``scale_by_learning_rate``), or NaN."""
-    for key in opt_state.keys(include_nested=True, leaves_only=True):
-        if (key if isinstance(key, str) else key[-1]) == "lr":
-            return opt_state[key]
-    return torch.full((), float("nan"))
+def _find_lr(opt_state: list[torch.Tensor], sdef: _tree.TreeDef) -> torch.Tensor:
+    """The ``lr`` leaf the optimizer recorded (from ``scale_by_learning_rate``), or NaN.
+
+    ``opt_state`` is the state's leaf list and ``sdef`` its structure; the position of the leaf is
+    looked up once per structure."""
+    compiling = torch.compiler.is_compiling()  # then leave module state alone (dynamo guards it)
+    index = -1 if compiling else _LR_INDEX.get(sdef, -1)
+    if index == -1:
+        index = next((i for i, k in enumerate(sdef.paths) if k.rsplit(".", 1)[-1] == "lr"), None)
+        if not compiling:
+            _LR_INDEX[sdef] = index
+    if index is None:
+        return torch.full((), float("nan"))
+    return opt_state[index]
+
+
+def _new_state(**fields: Any) -> TrainState:
+    """``TrainState(**fields, batch_size=[])``, without the constructor's checks in eager mode
+    (every field is a tensor or a TensorDict with an empty batch size: 5x cheaper)."""
+    if torch.compiler.is_compiling():
+        return TrainState(**fields, batch_size=[])
+    td = TensorDict._new_unsafe(fields, batch_size=torch.Size([]), nested=False)
+    return TrainState._from_tensordict(td)
 
 
 def train_step(
