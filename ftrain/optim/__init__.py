@@ -23,6 +23,8 @@ from ftrain.optim.base import (
     stateless,
 )
 from ftrain.optim.factorized import scale_by_factored_rms, scale_by_param_block_rms
+from ftrain.optim.lamb import lamb, scale_by_trust_ratio
+from ftrain.optim.quantized import adamw8bit, scale_by_adam_8bit
 from ftrain.optim.schedules import (
     constant,
     cosine_decay,
@@ -54,6 +56,7 @@ __all__ = [
     "adafactor",
     "adam",
     "adamw",
+    "adamw8bit",
     "add_decayed_weights",
     "apply_if_finite",
     "apply_updates",
@@ -68,6 +71,7 @@ __all__ = [
     "identity",
     "inverse_sqrt",
     "join",
+    "lamb",
     "linear_decay",
     "linear_schedule",
     "linear_warmup",
@@ -75,11 +79,13 @@ __all__ = [
     "masked",
     "scale",
     "scale_by_adam",
+    "scale_by_adam_8bit",
     "scale_by_factored_rms",
     "scale_by_learning_rate",
     "scale_by_lion",
     "scale_by_param_block_rms",
     "scale_by_schedule",
+    "scale_by_trust_ratio",
     "schedules",
     "sgd",
     "state_bytes",

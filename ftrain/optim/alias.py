@@ -236,4 +236,21 @@ def adafactor(
     )
 
 
-OPTIMIZERS = {"sgd": sgd, "adam": adam, "adamw": adamw, "lion": lion, "adafactor": adafactor}
+def _optimizers() -> dict:
+    from ftrain.optim.lamb import lamb
+    from ftrain.optim.quantized import adamw8bit
+
+    return {
+        "sgd": sgd,
+        "adam": adam,
+        "adamw": adamw,
+        "lion": lion,
+        "adafactor": adafactor,
+        "adamw8bit": adamw8bit,
+        "lamb": lamb,
+    }
+
+
+# Every alias by name (what ``ftrain train --optimizer`` accepts); each takes the learning rate
+# (a number or a schedule) first.
+OPTIMIZERS = _optimizers()
