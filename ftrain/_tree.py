@@ -151,6 +151,36 @@ class TreeDef:
             )
         return self._build(values, 0)
 
+    def rebuild(self, values: Sequence[torch.Tensor], like: TensorDictBase) -> TensorDictBase:
+        """Like :meth:`unflatten`, but every sub-tree of ``like`` (a tree of this structure) whose
+        leaves are all, by identity, the given tensors is reused as it is instead of rebuilt; if
+        nothing changed, ``like`` itself comes back. For in-place (donated) updates, where most
+        tensors stay the same objects. The result shares containers with ``like``."""
+        if len(values) != self.n:
+            raise ValueError(f"rebuild: {len(values)} tensors for a tree of {self.n} leaves.")
+        if _compiling() or not _plain(like):
+            return self._build(values, 0)
+        return self._reuse(values, 0, like)
+
+    def _reuse(self, values: Sequence[torch.Tensor], i: int, like: TensorDict) -> TensorDict:
+        old = like._tensordict
+        src, same = {}, len(old) == len(self._entries)
+        for key, child, size in self._entries:
+            was = old.get(key)
+            if child is None:
+                src[key] = v = values[i]
+            elif isinstance(child, TreeDef) and was is not None and _plain(was):
+                src[key] = v = child._reuse(values, i, was)
+            elif isinstance(child, TreeDef):
+                src[key] = v = child._build(values, i)
+            else:
+                src[key] = v = from_flat(dict(zip(child, values[i : i + size])))
+            same = same and v is was
+            i += size
+        if same:
+            return like
+        return TensorDict._new_unsafe(src, batch_size=_EMPTY_SIZE, nested=False)
+
     def _build(self, values: Sequence[torch.Tensor], i: int) -> TensorDict:
         src = {}
         for key, child, size in self._entries:
