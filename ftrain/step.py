@@ -226,6 +226,12 @@ class Step:
 
         ``grads`` belong to the step: the optimizer may overwrite them (no copy is made)."""
         params, tree, opt_state, sdef = self._update_leaves(state, grads, finite)
+        return self._trees(state, params, tree, opt_state, sdef)
+
+    def _trees(self, state, params, tree, opt_state, sdef) -> tuple[TensorDict, TensorDict]:
+        # Donated: most tensors are the input's own, so keep the containers that hold only them.
+        if self.donate:
+            return tree.rebuild(params, state.params), sdef.rebuild(opt_state, state.opt_state)
         return tree.unflatten(params), sdef.unflatten(opt_state)
 
     def _update_leaves(
@@ -271,9 +277,10 @@ class Step:
         if scaler is not None:
             extra = extra.clone(recurse=False)
             extra["loss_scale"] = scaler.update(state.extra["loss_scale"], finite)
+        params, opt_state = self._trees(state, p, tree, s, sdef)
         new_state = _new_state(
-            params=tree.unflatten(p),
-            opt_state=sdef.unflatten(s),
+            params=params,
+            opt_state=opt_state,
             step=state.step + 1,
             rng=state.rng,
             extra=extra,
