@@ -260,7 +260,8 @@ def scale_by_adam(
     State: ``count`` (int64), ``mu`` and ``nu`` (fp32, like the params). The moments follow
     ``torch.optim.Adam``'s foreach path (lerp for the first moment, ``mul`` + ``addcmul`` for the
     second, bias corrections in float64); the direction is computed as
-    ``mu / (sqrt(nu) * (bc1 / sqrt(bc2)) + eps * bc1)``, one kernel fewer than dividing twice.
+    ``mu * 1 / (sqrt(nu) * (bc1 / sqrt(bc2)) + eps * bc1)`` in a single buffer (the incoming
+    updates' own when they may be overwritten), so an in-place update allocates nothing.
     """
 
     def init(params):
@@ -286,11 +287,21 @@ def scale_by_adam(
         t = count.to(torch.float64)
         bc1 = 1 - b1**t
         bc2_sqrt = (1 - b2**t).sqrt()
-        denom = torch._foreach_add(nu, eps_root) if eps_root else nu
-        denom = torch._foreach_sqrt(denom)
-        torch._foreach_mul_(denom, (bc1 / bc2_sqrt).to(torch.float32))
-        torch._foreach_add_(denom, (eps * bc1).to(torch.float32))
-        u = list(torch._foreach_div(mu, denom))
+        # u = mu / (sqrt(nu) * bc1 / sqrt(bc2) + eps * bc1), built in one buffer. When the
+        # gradients are ours, that buffer is theirs (free once the moments are updated): on CPU a
+        # fresh allocation of a large tensor costs several times an in-place pass over it.
+        if ctx.owned:
+            u = g
+            torch._foreach_copy_(u, nu)
+            if eps_root:
+                torch._foreach_add_(u, eps_root)
+            torch._foreach_sqrt_(u)
+        else:
+            u = list(torch._foreach_sqrt(torch._foreach_add(nu, eps_root) if eps_root else nu))
+        torch._foreach_mul_(u, (bc1 / bc2_sqrt).to(torch.float32))
+        torch._foreach_add_(u, (eps * bc1).to(torch.float32))
+        torch._foreach_reciprocal_(u)
+        torch._foreach_mul_(u, mu)
         new_s = list(s)
         new_s[i_count] = count
         new_s[m_lo:m_hi] = mu
