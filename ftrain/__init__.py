@@ -22,7 +22,16 @@ from ftrain.checkpoint_io import (
 from ftrain.losses import Loss
 from ftrain.state import TrainState, apply, buffers_of, params_of, state_dict_of
 from ftrain.step import Step, train_step, wrap
-from ftrain.transforms import accumulate, autocast, checkpoint, compile, ema
+from ftrain.transforms import (
+    accumulate,
+    autocast,
+    checkpoint,
+    compile,
+    ema,
+    shard,
+    shard_state,
+    unshard_state,
+)
 
 __version__ = "0.1.0"
 
@@ -35,6 +44,9 @@ __all__ = [
     "load_meta",
     "save",
     "save_checkpoint",
+    "shard",
+    "shard_state",
+    "unshard_state",
     "accumulate",
     "autocast",
     "checkpoint",

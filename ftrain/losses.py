@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 __all__ = ["Loss", "cross_entropy", "as_loss"]
 
+
 class Loss(NamedTuple):
     """A loss declared as ``total / count``.
 

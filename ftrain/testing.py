@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ftrain import _tree
+from ftrain.distributed import DistributedError, run_distributed
 from ftrain.state import TrainState
 from ftrain.step import Step, split_batch
 
@@ -39,6 +40,8 @@ __all__ = [
     "saved_activation_bytes",
     "saved_bytes",
     "max_rel_error",
+    "run_distributed",
+    "DistributedError",
 ]
 
 

@@ -5,8 +5,18 @@ from ftrain.transforms.autocast import DynamicLossScale, StaticLossScale, autoca
 from ftrain.transforms.checkpoint import checkpoint, find_blocks
 from ftrain.transforms.compile import compile
 from ftrain.transforms.ema import ema
+from ftrain.transforms.shard import (
+    STRATEGIES,
+    local_bytes,
+    shard,
+    shard_state,
+    track_gathered,
+    unshard,
+    unshard_state,
+)
 
 __all__ = [
+    "STRATEGIES",
     "DynamicLossScale",
     "StaticLossScale",
     "accumulate",
@@ -15,4 +25,10 @@ __all__ = [
     "compile",
     "ema",
     "find_blocks",
+    "local_bytes",
+    "shard",
+    "shard_state",
+    "track_gathered",
+    "unshard",
+    "unshard_state",
 ]
