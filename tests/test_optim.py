@@ -499,3 +499,42 @@ def test_state_from_another_model_is_refused_by_name():
         opt.update(grads, opt.init(other), params)
     with pytest.raises(KeyError, match=r"params and updates must have the same keys.*missing"):
         opt.update(grads, opt.init(params), other)
+
+
+# --- compiled: learning rates and masks never break the graph --------------------------------
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: optim.chain(
+            optim.clip_by_global_norm(1.0),
+            optim.adamw(optim.warmup_cosine(1e-3, 2, 10), mask=optim.decay_mask),
+        ),
+        lambda: optim.adafactor(1e-2, weight_decay=0.01),
+        lambda: optim.lion(1e-4, weight_decay=0.1),
+        lambda: optim.sgd(optim.wsd(0.1, 1, 2, 3), momentum=0.9, nesterov=True),
+    ],
+    ids=["adamw-mask-schedule", "adafactor", "lion", "sgd-nesterov"],
+)
+def test_updates_trace_without_graph_breaks(make):
+    """What ``ft.compile`` needs from an optimizer: the whole update traces as one graph (no
+    host reads of schedules, bias corrections, clip factors or masks)."""
+    import torch._dynamo as dynamo
+
+    from ftrain.optim.base import LeafContext, leaf_update
+
+    params, grads = _params_and_grads()
+    opt = make()
+    state = opt.init(params)  # eager, as TrainState.create does: masks resolve here
+    p, tree = ft._tree.flatten(params)
+    s, sdef = ft._tree.flatten(state)
+    fn = leaf_update(opt)
+
+    def update(g, s, p):
+        return fn(list(g), list(s), list(p), LeafContext(tree, sdef, False, False))
+
+    dynamo.reset()
+    explained = dynamo.explain(update)(list(grads.values(True, True)), s, p)
+    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+    assert explained.graph_count == 1

@@ -264,11 +264,9 @@ def masked(inner: GradientTransformation, mask) -> GradientTransformation:
         flat = _tree.to_flat(td)
         return _tree.from_flat({k: v for (k, v), m in zip(flat.items(), keep) if m})
 
-    def init(params):
-        return inner.init(select(params, _resolve_mask(mask, params)))
-
     def resolve(tree: TreeDef, leaves: Leaves) -> tuple[list[int], TreeDef]:
-        key = (tree, tuple(t.shape for t in leaves)) if callable(mask) else tree
+        # Keyed by plain tuples, so that a step compiled after init finds what init computed.
+        key = (tree.sig, tuple(t.shape for t in leaves)) if callable(mask) else tree.sig
         got = cache.get(key)
         if got is None:
             keep = _resolve_mask(mask, tree.unflatten(leaves))
@@ -278,6 +276,11 @@ def masked(inner: GradientTransformation, mask) -> GradientTransformation:
             if not _tree._compiling():
                 cache[key] = got
         return got
+
+    def init(params):
+        leaves, tree = _tree.flatten(params)
+        chosen = set(resolve(tree, leaves)[0])
+        return inner.init(select(params, [i in chosen for i in range(len(leaves))]))
 
     def update(u, s, p, ctx):
         idx, sub_tree = resolve(ctx.tree, p if p is not None else u)

@@ -57,6 +57,15 @@ def _mul(u: list[torch.Tensor], factor, owned: bool) -> list[torch.Tensor]:
     return list(torch._foreach_mul(u, factor))
 
 
+def _add_(u: list[torch.Tensor], value: torch.Tensor) -> None:
+    """``u += value`` for a 0-d tensor ``value``. Dynamo turns the single-tensor overload into a
+    host read (a graph break), so while compiling it is given as a list."""
+    if torch.compiler.is_compiling():
+        torch._foreach_add_(u, [value] * len(u))
+    else:
+        torch._foreach_add_(u, value)
+
+
 def _same_keys(ctx: LeafContext, fn: str, *names: str) -> None:
     """Check that the state's per-parameter sub-trees have the updates' keys, in their order."""
     for name in names:
@@ -299,7 +308,7 @@ def scale_by_adam(
         else:
             u = list(torch._foreach_sqrt(torch._foreach_add(nu, eps_root) if eps_root else nu))
         torch._foreach_mul_(u, (bc1 / bc2_sqrt).to(torch.float32))
-        torch._foreach_add_(u, (eps * bc1).to(torch.float32))
+        _add_(u, (eps * bc1).to(torch.float32))
         torch._foreach_reciprocal_(u)
         torch._foreach_mul_(u, mu)
         new_s = list(s)
