@@ -20,8 +20,8 @@ targets refer to ``donate=True``, the like-for-like comparison with ``torch.opti
 update; ``donate=False`` is reported beside it. Then the optimizer update alone: ftrain's AdamW
 (pure, and in place) against ``torch.optim.AdamW`` foreach and fused ``.step()``.
 
-Timing: every variant runs a block of steps once per round, the order rotating, and each ratio is
-a ratio of medians over rounds, so a machine shared with other work slows all sides alike.
+Timing: every side runs one step per round, the order rotating, and each ratio is a ratio of
+medians over rounds, so a machine shared with other work slows all sides alike.
 Targets are judged on CPU time (this process, all threads), which waiting for a core does not
 inflate; wall time is shown beside it. One thread by default: with two threads on a busy 2-core
 machine OpenMP's threads spin while they wait for each other, and that spinning is CPU time too.
@@ -49,6 +49,7 @@ SIZES = {  # name: (d_model, n_layer, seq_len, batch, target for donate=True)
     "compute-bound": (256, 4, 128, 16, 1.02),
     "overhead-bound": (64, 2, 32, 8, 1.15),
 }
+SMALL_ROUNDS = 20  # times more rounds for the millisecond-long calls: medians of many short calls
 QUICK = {"compute-bound": (64, 2, 32, 8, 1.02), "overhead-bound": (32, 1, 16, 4, 1.15)}
 
 
@@ -99,22 +100,22 @@ def ftrain_side(model: GPT, data: dict, donate: bool) -> Callable[[], None]:
 # -- timing ----------------------------------------------------------------------------------------
 
 
-def rounds(fns: dict[str, Callable[[], None]], n_rounds: int, inner: int) -> dict[str, dict]:
-    """Median wall and CPU seconds per call of each function over ``n_rounds`` rounds of
-    ``inner`` calls; the order of the functions rotates from round to round."""
+def rounds(fns: dict[str, Callable[[], None]], n_rounds: int) -> dict[str, dict]:
+    """Median wall and CPU seconds per call of each function over ``n_rounds`` rounds, each
+    round one call of every function, the order rotating from round to round (A B C, B C A, ...):
+    a change in machine load lands on all of them alike."""
     for f in fns.values():  # warm-up: first-call allocations, lazy inits
-        for _ in range(max(1, inner // 2)):
-            f()
+        f()
+        f()
     names = list(fns)
     wall: dict[str, list[float]] = {k: [] for k in names}
     cpu: dict[str, list[float]] = {k: [] for k in names}
     for r in range(n_rounds):
         for k in names[r % len(names) :] + names[: r % len(names)]:
             w, c = time.perf_counter(), time.process_time()
-            for _ in range(inner):
-                fns[k]()
-            cpu[k].append((time.process_time() - c) / inner)
-            wall[k].append((time.perf_counter() - w) / inner)
+            fns[k]()
+            cpu[k].append(time.process_time() - c)
+            wall[k].append(time.perf_counter() - w)
     return {
         k: {"wall": statistics.median(wall[k]), "cpu": statistics.median(cpu[k])} for k in names
     }
@@ -130,8 +131,7 @@ def step_rows(sizes: dict, n_rounds: int) -> tuple[list[str], list[str]]:
             "ftrain": ftrain_side(model, data, donate=False),
             "ftrain donate": ftrain_side(model, data, donate=True),
         }
-        inner = 1 if d >= 256 else 20
-        t = rounds(fns, n_rounds, inner)
+        t = rounds(fns, n_rounds if d >= 256 else SMALL_ROUNDS * n_rounds)
         shape = f"d={d}, {n_layer} blocks, seq {seq}, batch {rows}"
         for side, tgt in (("ftrain donate", target), ("ftrain", None)):
             cpu = t[side]["cpu"] / t["torch"]["cpu"]
@@ -189,7 +189,7 @@ def update_times(d: int, n_layer: int, seq: int, n_rounds: int) -> tuple[dict, i
         "torch foreach": torch_step(foreach=True),
         "torch fused": torch_step(fused=True),
     }
-    t = {k: v["cpu"] for k, v in rounds(fns, n_rounds, 20).items()}
+    t = {k: v["cpu"] for k, v in rounds(fns, SMALL_ROUNDS * n_rounds).items()}
     return t, sum(p.numel() for p in model.parameters()), len(list(model.parameters()))
 
 
@@ -207,7 +207,12 @@ def update_rows(sizes: dict, n_rounds: int) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
-    parser.add_argument("--rounds", type=int, default=9, help="timing rounds (default 9)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=11,
+        help=f"rounds for the compute-bound step (default 11; {SMALL_ROUNDS}x for the rest)",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny sizes, 3 rounds, no write")
     parser.add_argument(
         "--only", choices=sorted(SIZES), help="measure one size (nothing written to RESULTS.md)"
@@ -225,7 +230,9 @@ def main() -> None:
     load_end = os.getloadavg()[0]
     body = f"""
 `python benchmarks/step_overhead.py` on {machine()}. AdamW (lr 1e-3, weight decay 0.01) on
-ftrain's GPT, eager; median of {n_rounds} interleaved rounds. Load average {load:.1f} at the start
+ftrain's GPT, eager; medians over interleaved rounds, each round one call of every side in rotating
+order ({n_rounds} rounds for the compute-bound step, {SMALL_ROUNDS * n_rounds} for the rest). Load
+average {load:.1f} at the start
 and {load_end:.1f} at the end: the machine may be shared, so targets are judged on CPU time (this
 process, all threads); wall time beside it. The targets refer to `donate=True`, the in-place
 analogue of `torch.optim`; the pure step (`donate=False`, a new state every step) is shown too.

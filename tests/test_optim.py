@@ -538,3 +538,12 @@ def test_updates_trace_without_graph_breaks(make):
     explained = dynamo.explain(update)(list(grads.values(True, True)), s, p)
     assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
     assert explained.graph_count == 1
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    import ftrain.optim.alias
+
+    for module in (ftrain.optim, ftrain.optim.alias):
+        assert doctest.testmod(module).failed == 0, module.__name__

@@ -97,9 +97,13 @@ def sgd(
     nesterov: bool = False,
     weight_decay: float = 0.0,
 ) -> GradientTransformation:
-    """Stochastic gradient descent; matches ``torch.optim.SGD`` (dampening 0).
+    """Stochastic gradient descent: ``chain(add_decayed_weights, trace, scale_by_learning_rate)``.
 
     ``weight_decay`` is L2 added to the gradient before momentum, as in torch.
+
+    **Invariant:** matches ``torch.optim.SGD(lr, momentum, nesterov=..., weight_decay=...)``
+    (dampening 0): 50 steps of a small transformer agree to 1e-6 relative
+    (``tests/test_optim.py``).
     """
     _check_lr("sgd", learning_rate)
     _check_range("sgd", "momentum", momentum, 0.0, 1.0)
@@ -123,11 +127,18 @@ def adam(
     eps: float = 1e-8,
     weight_decay: float = 0.0,
 ) -> GradientTransformation:
-    """Adam; matches ``torch.optim.Adam`` (``weight_decay`` is L2 added to the gradient)."""
+    """Adam: ``chain(add_decayed_weights, scale_by_adam, scale_by_learning_rate)``
+    (``weight_decay`` is L2 added to the gradient, as in ``torch.optim.Adam``).
+
+    **Invariant:** matches ``torch.optim.Adam``: from the same params, moments and gradients each
+    step agrees to 1e-6 relative; over 50 steps, ftrain stays as close to torch's foreach Adam as
+    torch's fused Adam does (Adam amplifies 1-ulp differences; ``tests/test_optim.py``).
+    """
     _check_lr("adam", learning_rate)
     _check_range("adam", "b1", b1, 0.0, 1.0)
     _check_range("adam", "b2", b2, 0.0, 1.0)
     _check_range("adam", "eps", eps, 0.0)
+    _check_range("adam", "weight_decay", weight_decay, 0.0)
     parts = [add_decayed_weights(weight_decay)] if weight_decay else []
     return chain(*parts, scale_by_adam(b1, b2, eps), scale_by_learning_rate(learning_rate))
 
@@ -141,10 +152,26 @@ def adamw(
     weight_decay: float = 1e-2,
     mask=None,
 ) -> GradientTransformation:
-    """AdamW (decoupled weight decay); matches ``torch.optim.AdamW``.
+    """AdamW (decoupled weight decay):
+    ``chain(scale_by_adam, add_decayed_weights(weight_decay, mask), scale_by_learning_rate)``.
 
     ``mask`` (e.g. :func:`decay_mask`) limits weight decay to some leaves; torch's AdamW decays
     every parameter, which is ``mask=None``.
+
+    **Invariant:** matches ``torch.optim.AdamW``: from the same params, moments and gradients each
+    step agrees to 1e-6 relative; over 50 steps, ftrain stays as close to torch's foreach AdamW as
+    torch's fused AdamW does (``tests/test_optim.py``). One known difference: torch multiplies
+    params by ``1 - lr * weight_decay`` rounded to float32, ftrain adds ``lr * weight_decay * p``.
+
+    >>> import torch, ftrain as ft
+    >>> params = ft.params_of(torch.nn.Linear(4, 2))
+    >>> opt = adamw(3e-4, weight_decay=0.1, mask=decay_mask)  # no decay on the bias
+    >>> updates, state = opt.update(params.apply(torch.ones_like), opt.init(params), params)
+    >>> round(float(updates["bias"][0]), 6)  # Adam's first step: lr times the gradient's sign
+    -0.0003
+    >>> decay = (updates["weight"] - updates["bias"][0]) / (-3e-4 * 0.1)  # weights also decay
+    >>> torch.allclose(decay, params["weight"], atol=1e-3)
+    True
     """
     _check_lr("adamw", learning_rate)
     _check_range("adamw", "b1", b1, 0.0, 1.0)
