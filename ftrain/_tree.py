@@ -8,7 +8,8 @@ into any tree with the same keys.
 :func:`flatten` returns the leaves and a :class:`TreeDef`, the tree's key structure. Tree
 definitions are interned (one object per structure, in eager mode), so what is derived from a
 structure (dotted paths, where a sub-tree's leaves start and stop) is computed once and then
-looked up. They run on every step, several times, so plain ``TensorDict`` trees take a fast path
+looked up. ``TreeDef.unflatten`` builds a new tree; ``TreeDef.rebuild`` keeps the containers of
+an old tree whose tensors did not change (what a donated, in-place step needs). They run on every step, several times, so plain ``TensorDict`` trees take a fast path
 that walks the underlying dicts directly (several times cheaper than the generic iterators);
 other TensorDict types go through the public API and come back as plain nested TensorDicts.
 """
