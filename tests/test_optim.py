@@ -335,6 +335,30 @@ def test_chain_equals_the_transforms_applied_by_hand():
         state, params = new_state, optim.apply_updates(params, updates)
 
 
+def test_a_transform_written_against_the_public_api_composes():
+    """A user's momentum whose update *is* its state tensor: chained before in-place scaling
+    (which a train step does), the state must still hold the momentum, not the scaled update."""
+
+    def my_trace(decay):
+        def init(params):
+            return ft._tree.TensorDict({"m": params.apply(torch.zeros_like)}, batch_size=[])
+
+        def update(updates, state, params=None):
+            m = state["m"].apply(lambda x: x * decay) + updates  # returned twice, on purpose
+            return m, ft._tree.TensorDict({"m": m}, batch_size=[])
+
+        return optim.GradientTransformation(init, update)
+
+    model, batches = tiny_gpt(), make_batches(5)
+    want = ftrain_run(model, optim.sgd(0.05, momentum=0.9), batches)
+    mine = optim.chain(my_trace(0.9), optim.scale_by_learning_rate(0.05))
+    step = ft.train_step(lambda p, b: mean_ce(ft.apply(model, p, b[0]), b[1]), mine, donate=True)
+    state = ft.TrainState.create(ft.params_of(model), mine)
+    for b in batches:
+        state, _ = step(state, b)
+    assert tensor_rel(flat(state.params), want) <= 1e-6
+
+
 def test_update_is_pure_and_inplace_gives_the_same_result():
     params, grads = _params_and_grads()
     opt = optim.chain(optim.clip_by_global_norm(0.1), optim.adamw(1e-2, mask=optim.decay_mask))

@@ -151,7 +151,10 @@ def leaf_update(t: GradientTransformation) -> LeafUpdate:
                 f"differ from its input's; an update must keep the structure of the updates and "
                 "of its state (it is fixed at init)."
             )
-        return out_u, out_s
+        # The rules of LeafContext: an update tensor may not also be a state or param tensor
+        # (later transforms may scale the updates in place). Copy the ones that are.
+        held = {id(x) for x in out_s} | ({id(x) for x in p} if p is not None else set())
+        return [x.clone() if id(x) in held else x for x in out_u], out_s
 
     try:
         _ADAPTED[t.update] = adapted
