@@ -96,23 +96,24 @@ def scale_by_factored_rms(
             eps1 = torch.finfo(grad.dtype).eps if eps is None else eps
             if _factored(grad):
                 # mean of g**2 over a dim, as torch computes it: ||g||**2 / n
-                row_mean = torch.linalg.vector_norm(grad, dim=-1, keepdim=True).square_()
-                row_mean.div_(grad.size(-1))
-                col_mean = torch.linalg.vector_norm(grad, dim=-2, keepdim=True).square_()
-                col_mean.div_(grad.size(-2))
+                # (out of place, so that DTensor can finish a reduction over shards first)
+                row_mean = torch.linalg.vector_norm(grad, dim=-1, keepdim=True).square()
+                row_mean = row_mean / grad.size(-1)
+                col_mean = torch.linalg.vector_norm(grad, dim=-2, keepdim=True).square()
+                col_mean = col_mean / grad.size(-2)
                 if ctx.inplace:
                     row, col = rows[i].lerp_(row_mean, w), cols[i].lerp_(col_mean, w)
                 else:
                     row, col = rows[i].lerp(row_mean, w), cols[i].lerp(col_mean, w)
                 new_rows[i], new_cols[i] = row, col
                 v_hat = row @ col  # (..., R, C): the outer product, rebuilt for this step only
-                v_hat.div_(row.mean(dim=-2, keepdim=True).clamp_(min=eps1))
+                v_hat = v_hat / row.mean(dim=-2, keepdim=True).clamp(min=eps1)
             else:
                 v = vs[i].lerp_(grad * grad, w) if ctx.inplace else vs[i].lerp(grad * grad, w)
                 new_vs[i] = v
                 v_hat = v.clone()
             # eps1 squared, because the root is taken next
-            u = v_hat.clamp_(min=eps1 * eps1).rsqrt_().mul_(grad)
+            u = v_hat.clamp(min=eps1 * eps1).rsqrt() * grad
             out.append(u)
         new_s = list(s)
         new_s[i_count] = count
