@@ -49,6 +49,17 @@ SIZES = {  # name: (d_model, n_layer, seq_len, batch, target for donate=True)
     "compute-bound": (256, 4, 128, 16, 1.02),
     "overhead-bound": (64, 2, 32, 8, 1.15),
 }
+# Where the rest goes: measured separately, with the same interleaving, when this was written.
+NOTES = """Where the donated step's remaining overhead goes at the overhead-bound size (measured
+separately on this machine, 2026-11-22): about 330 µs of it is `ft.apply` calling
+`torch.func.functional_call`, which re-derives the module's tied-weight map and swaps every
+parameter in and out on each call (a prototype that caches the accessor and the tie map per module
+brought the ratio from 1.10 to 1.045 in the same run); flattening and rebuilding TensorDicts is
+about 50 µs; dividing the gradients by the token count and the gradient norm the metrics report
+about 70 µs. The pure step costs more than the donated one because it allocates new params and
+moments every step: on this CPU a fresh multi-megabyte tensor costs several times an in-place pass
+over it. In isolation ftrain's AdamW is a chain of multi-tensor kernels (optax-style building
+blocks); torch's fused AdamW is one pass per tensor, about 3x faster than either foreach version."""
 SMALL_ROUNDS = 20  # times more rounds for the millisecond-long calls: medians of many short calls
 QUICK = {"compute-bound": (64, 2, 32, 8, 1.02), "overhead-bound": (32, 1, 16, 4, 1.15)}
 
@@ -230,12 +241,12 @@ def main() -> None:
     load_end = os.getloadavg()[0]
     body = f"""
 `python benchmarks/step_overhead.py` on {machine()}. AdamW (lr 1e-3, weight decay 0.01) on
-ftrain's GPT, eager; medians over interleaved rounds, each round one call of every side in rotating
+ftrain's GPT, eager. Medians over interleaved rounds, each round one call of every side in rotating
 order ({n_rounds} rounds for the compute-bound step, {SMALL_ROUNDS * n_rounds} for the rest). Load
-average {load:.1f} at the start
-and {load_end:.1f} at the end: the machine may be shared, so targets are judged on CPU time (this
-process, all threads); wall time beside it. The targets refer to `donate=True`, the in-place
-analogue of `torch.optim`; the pure step (`donate=False`, a new state every step) is shown too.
+average {load:.1f} at the start and {load_end:.1f} at the end: the machine may be shared, so
+targets are judged on CPU time (this process, all threads); wall time beside it. The targets refer
+to `donate=True`, the in-place analogue of `torch.optim`; the pure step (`donate=False`, a new
+state every step) is shown too.
 
 | size | ratio | CPU time (judged) | wall time | target | met |
 | --- | --- | ---: | ---: | ---: | :---: |
@@ -254,6 +265,8 @@ The optimizer update alone, CPU µs per update (ratio to torch foreach): ftrain'
 | params | ftrain | ftrain inplace | torch foreach | torch fused |
 | --- | ---: | ---: | ---: | ---: |
 {chr(10).join(opt_rows)}
+
+{NOTES}
 """
     if args.quick or args.only:
         print(body)
