@@ -26,43 +26,49 @@ def at(schedule, *counts) -> list[float]:
     return out
 
 
-def close(got: list[float], want: list[float]) -> None:
+def assert_values(got: list[float], want: list[float]) -> None:
     assert got == pytest.approx(want, rel=1e-12, abs=1e-15)
 
 
 def test_constant():
-    close(at(S.constant(PEAK), 0, 1, 10**6), [PEAK, PEAK, PEAK])
+    assert_values(at(S.constant(PEAK), 0, 1, 10**6), [PEAK, PEAK, PEAK])
 
 
 def test_linear_warmup_and_decay():
-    close(at(S.linear_warmup(PEAK, 10), 0, 5, 10, 11, 1000), [0.0, PEAK / 2, PEAK, PEAK, PEAK])
-    close(at(S.linear_warmup(PEAK, 4, init_value=1e-4), 0, 2, 4), [1e-4, 5.5e-4, PEAK])
-    close(at(S.linear_decay(PEAK, 10, end_value=1e-4), 0, 5, 10, 20), [PEAK, 5.5e-4, 1e-4, 1e-4])
-    close(at(S.linear_schedule(1.0, 3.0, 0), 0, 7), [3.0, 3.0])  # no transition: the end value
+    assert_values(
+        at(S.linear_warmup(PEAK, 10), 0, 5, 10, 11, 1000), [0.0, PEAK / 2, PEAK, PEAK, PEAK]
+    )
+    assert_values(at(S.linear_warmup(PEAK, 4, init_value=1e-4), 0, 2, 4), [1e-4, 5.5e-4, PEAK])
+    assert_values(
+        at(S.linear_decay(PEAK, 10, end_value=1e-4), 0, 5, 10, 20), [PEAK, 5.5e-4, 1e-4, 1e-4]
+    )
+    assert_values(
+        at(S.linear_schedule(1.0, 3.0, 0), 0, 7), [3.0, 3.0]
+    )  # no transition: the end value
 
 
 def test_cosine_decay():
     s = S.cosine_decay(PEAK, 100, alpha=0.1)
     quarter = 0.1 * PEAK + 0.9 * PEAK * 0.5 * (1 + math.cos(math.pi / 4))
-    close(at(s, 0, 25, 50, 100, 250), [PEAK, quarter, 0.55 * PEAK, 0.1 * PEAK, 0.1 * PEAK])
+    assert_values(at(s, 0, 25, 50, 100, 250), [PEAK, quarter, 0.55 * PEAK, 0.1 * PEAK, 0.1 * PEAK])
 
 
 def test_inverse_sqrt():
     s = S.inverse_sqrt(PEAK, 16)
-    close(at(s, 0, 8, 16, 64, 1600), [0.0, PEAK / 2, PEAK, PEAK / 2, PEAK / 10])
+    assert_values(at(s, 0, 8, 16, 64, 1600), [0.0, PEAK / 2, PEAK, PEAK / 2, PEAK / 10])
 
 
 def test_warmup_cosine():
     s = S.warmup_cosine(PEAK, warmup_steps=10, decay_steps=110, end_value=1e-5)
     mid = 1e-5 + (PEAK - 1e-5) * 0.5
-    close(at(s, 0, 5, 10, 60, 110, 500), [0.0, PEAK / 2, PEAK, mid, 1e-5, 1e-5])
+    assert_values(at(s, 0, 5, 10, 60, 110, 500), [0.0, PEAK / 2, PEAK, mid, 1e-5, 1e-5])
     # a zero peak still ends at end_value (from zero, not from a ratio of it)
-    close(at(S.warmup_cosine(0.0, 0, 10, end_value=1e-4), 0, 10), [0.0, 1e-4])
+    assert_values(at(S.warmup_cosine(0.0, 0, 10, end_value=1e-4), 0, 10), [0.0, 1e-4])
 
 
 def test_wsd():
     s = S.wsd(PEAK, warmup_steps=10, stable_steps=80, decay_steps=10, end_value=1e-5)
-    close(
+    assert_values(
         at(s, 0, 5, 10, 50, 90, 95, 100, 1000),
         [0.0, PEAK / 2, PEAK, PEAK, PEAK, (PEAK + 1e-5) / 2, 1e-5, 1e-5],
     )
@@ -70,7 +76,7 @@ def test_wsd():
 
 def test_join_gives_each_piece_its_own_count():
     s = S.join([S.constant(1.0), S.linear_decay(1.0, 10), S.constant(0.5)], [5, 15])
-    close(at(s, 0, 4, 5, 10, 14, 15, 99), [1.0, 1.0, 1.0, 0.5, 0.1, 0.5, 0.5])
+    assert_values(at(s, 0, 4, 5, 10, 14, 15, 99), [1.0, 1.0, 1.0, 0.5, 0.1, 0.5, 0.5])
 
 
 def test_python_int_counts_and_the_module_doctest():
