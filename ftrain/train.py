@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import json
 import math
 import os
@@ -127,13 +128,14 @@ def build_schedule(cfg: TrainConfig) -> optim.Schedule:
 def build_optimizer(cfg: TrainConfig) -> optim.GradientTransformation:
     """Clipping, then the chosen optimizer with weight decay on matrices only."""
     schedule = build_schedule(cfg)
-    name = cfg.optimizer
-    if name in ("adamw", "lion"):
-        opt = optim.OPTIMIZERS[name](schedule, weight_decay=cfg.weight_decay, mask=optim.decay_mask)
-    elif name in ("sgd", "adam"):
-        opt = optim.OPTIMIZERS[name](schedule, weight_decay=cfg.weight_decay)
-    else:
-        opt = optim.OPTIMIZERS[name](schedule)
+    make = optim.OPTIMIZERS[cfg.optimizer]
+    options = inspect.signature(make).parameters
+    kwargs = {}
+    if "weight_decay" in options:
+        kwargs["weight_decay"] = cfg.weight_decay
+    if "mask" in options:  # decoupled decay: matrices only, not biases or norms
+        kwargs["mask"] = optim.decay_mask
+    opt = make(schedule, **kwargs)
     if cfg.clip_grad:
         opt = optim.chain(optim.clip_by_global_norm(cfg.clip_grad), opt)
     return opt
