@@ -28,15 +28,6 @@ from ftrain.models import GPT, GPTConfig
 STEPS = 50
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """These models are tiny: one thread is faster, and immune to a busy machine's contention."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 # --- helpers ---------------------------------------------------------------------------------
 
 

@@ -14,15 +14,6 @@ from ftrain import optim
 from ftrain.models import GPT, GPTConfig
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: one thread is faster, and immune to a busy machine's contention."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def tiny_gpt(dropout: float = 0.0) -> GPT:
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layer=2, n_head=4, dropout=dropout)

@@ -16,16 +16,6 @@ from ftrain.testing import (
 B, D, H = 8, 16, 64  # rows, width, hidden width of each block
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Run this module's tiny models on one thread: they gain nothing from intra-op threads, and
-    on a busy 2-core machine two threads waiting for each other cost 100x the work itself."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 class Block(nn.Module):
     """relu(fc2(relu(fc1(x)))): keeps relu(fc1 x) (H floats a row) and its output (D) for backward."""
 

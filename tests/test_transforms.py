@@ -26,16 +26,6 @@ from ftrain.transforms import DynamicLossScale
 VOCAB, T = 64, 16
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Run this module's tiny models on one thread: they gain nothing from intra-op threads, and
-    on a busy 2-core machine two threads waiting for each other cost 100x the work itself."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def gpt(seed=0, **overrides):
     torch.manual_seed(seed)
     cfg = dict(vocab_size=VOCAB, seq_len=T, d_model=32, n_layer=4, n_head=2, dropout=0.0)
