@@ -114,8 +114,9 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(B, T, d) -> (B, T, d)."""
-        qkv = self.qkv(x)  # (B, T, 3 * d)
-        q, k, v = rearrange(qkv, "b t (three nh hs) -> three b nh t hs", three=3, nh=self.n_head)
+        # split (not a reshape to (3, ...)): its backward is a single concatenation of dq, dk, dv
+        qkv = self.qkv(x).split(x.shape[-1], dim=-1)  # 3 x (B, T, d)
+        q, k, v = (rearrange(z, "b t (nh hs) -> b nh t hs", nh=self.n_head) for z in qkv)
         # q, k, v: (B, nh, T, hs). Flash attention on GPU; the causal mask is built inside the kernel.
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
