@@ -137,6 +137,36 @@ def test_checkpoint_modules_argument_picks_the_blocks():
     )
 
 
+def test_find_blocks_prefers_the_list_of_layers_over_longer_lists_of_leaves():
+    from ftrain.transforms import find_blocks
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.heads = nn.ModuleList(nn.Linear(4, 4) for _ in range(8))  # 8 leaves
+            self.tables = nn.ModuleList([nn.Embedding(1000, 4)])  # many params, a leaf
+            # 2 layers, each a Sequential of leaves (which must not be picked itself)
+            self.layers = nn.ModuleList(
+                nn.Sequential(nn.Linear(4, 16), nn.GELU(), nn.Linear(16, 4)) for _ in range(2)
+            )
+
+    net = Net()
+    assert find_blocks(net) == list(net.layers)
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = nn.Linear(4, 4)
+            self.mlp = nn.Sequential(nn.Linear(4, 16), nn.GELU(), nn.Linear(16, 4))
+
+    one_layer = nn.Module()
+    one_layer.layers = nn.ModuleList([Layer()])
+    assert find_blocks(one_layer) == list(one_layer.layers)  # not the mlp inside the layer
+    leaves = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    assert find_blocks(leaves) == list(leaves)  # no composite children: the longest container
+    assert find_blocks(nn.Linear(4, 4)) == []
+
+
 # --- composition -----------------------------------------------------------------------------
 
 

@@ -65,9 +65,12 @@ def find_blocks(
     """The blocks ``ft.checkpoint`` wraps in ``module``.
 
     With ``modules`` (module classes): every submodule that is an instance of one of them and is
-    not inside another match. Without: the children of the largest ``nn.ModuleList`` or
-    ``nn.Sequential`` (most children; ties go to the one found first), which is where transformers
-    keep their layers.
+    not inside another match. Without: the children of the ``nn.ModuleList`` or ``nn.Sequential``
+    that holds the most parameters among those whose children are themselves composite modules
+    (transformer layers, not a list of Linear heads or embedding tables); ties go to the one found
+    first, so an outer list of layers wins over a Sequential inside one layer. If no container has
+    composite children, the one with the most children. This is where transformers keep their
+    layers.
     """
     if modules is not None:
         types = tuple(modules)
@@ -84,11 +87,16 @@ def find_blocks(
             return [module]
         visit(module)
         return found
-    best: list[nn.Module] = []
-    for m in module.modules():
-        if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) > len(best):
-            best = list(m.children())
-    return best
+    containers = [m for m in module.modules() if isinstance(m, (nn.ModuleList, nn.Sequential))]
+    composite = [
+        m
+        for m in containers
+        if len(m) and all(next(c.children(), None) is not None for c in m.children())
+    ]
+    if composite:
+        # max keeps the first of equal keys: the outer list of layers before any list inside one
+        return list(max(composite, key=lambda m: sum(p.numel() for p in m.parameters())))
+    return list(max(containers, key=len, default=[]))
 
 
 # Marks the call that ``_Checkpointed._run`` makes through ``functional_call``: the block's own
