@@ -77,6 +77,10 @@ def adamw():
     )
 
 
+def adafactor():
+    return ft.optim.adafactor(1e-2, weight_decay=0.1)
+
+
 def composed(step, micro_batches):
     return ft.accumulate(ft.checkpoint(ft.autocast(step, torch.bfloat16)), micro_batches)
 
@@ -101,7 +105,11 @@ CONFIGS = {
     # bias=False: the key bias of attention has a zero gradient in exact arithmetic, which
     # Adam would turn into rounding noise of the size of the learning rate.
     "adamw": (adamw, {"bias": False}, lambda s: s, lambda s: s),
+    # factored second moments: a matrix's column statistic is a mean over every process's rows
+    "adafactor": (adafactor, {"bias": False}, lambda s: s, lambda s: s),
+    "adafactor, donated": (adafactor, {"bias": False}, lambda s: s, lambda s: s),
 }
+DONATED = ("adamw", "adafactor, donated")  # in place, as the CLI runs them
 
 
 def run(step, state, data, rank=None):
@@ -117,7 +125,19 @@ def whole(state):
     }
 
 
+def layouts(tree) -> set[str]:
+    """How the tensors of ``tree`` with one or more dims are laid out: "plain" or placements."""
+    return {
+        repr(tuple(t.placements)) if hasattr(t, "placements") else "plain"
+        for t in _tree.leaves(tree)
+        if t.dim() > 0
+    }
+
+
 # -- what the two ranks do -----------------------------------------------------------------------
+
+
+RESUMED = [("adamw", "zero2"), ("adamw", "fsdp"), ("adafactor", "zero1"), ("adafactor", "fsdp")]
 
 
 def _on_two_ranks(tmp: str) -> dict:
@@ -129,11 +149,13 @@ def _on_two_ranks(tmp: str) -> dict:
     for name, (make_opt, model_kw, transform, _) in CONFIGS.items():
         for strategy in STRATEGIES:
             model, opt = gpt(**model_kw), make_opt()
-            donate = name == "adamw"  # in place, as the CLI runs it
-            step = shard(transform(ft.train_step(lm_loss(model), opt, donate=donate)), strategy)
+            step = shard(
+                transform(ft.train_step(lm_loss(model), opt, donate=name in DONATED)), strategy
+            )
             state = shard_state(ft.TrainState.create(ft.params_of(model), opt), strategy)
             state, metrics = run(step, state, data, rank)
             out[name, strategy] = {
+                "layouts": layouts(state.opt_state),
                 **whole(unshard_state(state)),
                 "metrics": {k: v.clone() for k, v in metrics.items()},
                 "param_bytes": local_bytes(state.params),
@@ -152,12 +174,12 @@ def _on_two_ranks(tmp: str) -> dict:
         out["peak", name] = (t.peak, t.gathers)
 
     # 3. save (whole, from rank 0) after 2 steps, load on every rank, 1 more step
-    for strategy in ("zero2", "fsdp"):
-        model = gpt()
-        step = shard(ft.train_step(lm_loss(model), adamw()), strategy)
-        state = shard_state(ft.TrainState.create(ft.params_of(model), adamw()), strategy)
+    for name, strategy in RESUMED:
+        model, make_opt = gpt(), {"adamw": adamw, "adafactor": adafactor}[name]
+        step = shard(ft.train_step(lm_loss(model), make_opt()), strategy)
+        state = shard_state(ft.TrainState.create(ft.params_of(model), make_opt()), strategy)
         state, _ = run(step, state, data[:2], rank)
-        path = f"{tmp}/{strategy}"
+        path = f"{tmp}/{name}-{strategy}"
         saved = unshard_state(state)
         if rank == 0:
             ft.save(saved, path)
@@ -165,7 +187,10 @@ def _on_two_ranks(tmp: str) -> dict:
         resumed = shard_state(ft.load(path, like=saved), strategy)
         resumed, _ = run(step, resumed, data[2:], rank)
         straight, _ = run(step, state, data[2:], rank)
-        out["resume", strategy] = (whole(unshard_state(resumed)), whole(unshard_state(straight)))
+        out["resume", name, strategy] = (
+            whole(unshard_state(resumed)),
+            whole(unshard_state(straight)),
+        )
 
     # 4. more optimizers: the math on shards against the same math under ddp
     for name, make_opt in OPTIMIZERS.items():
@@ -244,11 +269,13 @@ def assert_close(actual: dict, expected: dict, rtol: float) -> None:
 # -- the invariant ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["sgd", "composed"])
+@pytest.mark.parametrize("name", ["sgd", "composed", "adafactor", "adafactor, donated"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_n_ranks_on_parts_equal_one_process_on_the_whole_batch(ranks, references, name, strategy):
     """3 steps, each rank holding half of an unevenly padded batch, equal 1 process (1e-5).
-    "composed" is accumulate + checkpoint + autocast(bf16) on both sides."""
+    "composed" is accumulate + checkpoint + autocast(bf16) on both sides. adafactor's factored
+    statistics of a row-sharded matrix are reductions over the shards (out of place, and in place
+    when donated)."""
     ref = references[name]
     for r in ranks:  # every rank ends with the same whole state
         got = r[name, strategy]
@@ -264,6 +291,17 @@ def test_the_reference_is_token_weighted(references):
     """Guards the test above: the two halves hold different numbers of tokens."""
     counts = [int((rows_of(b, r)["target"] != -100).sum()) for b in batches() for r in (0, 1)]
     assert counts[0] != counts[1]
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_optimizer_state_keeps_the_layout_shard_state_gave_it(ranks, name, strategy):
+    """After several steps the optimizer state is still laid out as shard_state laid it out:
+    plain under ddp, Shard(0) rows otherwise. (adafactor's new column statistic is a reduction
+    over the shards, which DTensor returns Replicate(); the step puts it back.)"""
+    expected = {"plain"} if strategy == "ddp" else {"(Shard(dim=0),)"}
+    for r in ranks:
+        assert r[name, strategy]["layouts"] == expected
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -334,10 +372,10 @@ def test_fsdp_holds_the_shard_plus_one_block(ranks, name):
 # -- save and resume -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("strategy", ["zero2", "fsdp"])
-def test_save_then_resume_continues_exactly(ranks, strategy):
+@pytest.mark.parametrize(("name", "strategy"), RESUMED)
+def test_save_then_resume_continues_exactly(ranks, name, strategy):
     for r in ranks:
-        resumed, straight = r["resume", strategy]
+        resumed, straight = r["resume", name, strategy]
         for part in ("params", "opt_state"):
             for k in straight[part]:
                 assert torch.equal(resumed[part][k], straight[part][k]), k
@@ -347,7 +385,7 @@ def test_a_sharded_checkpoint_loads_whole_in_one_process(ranks, tmp_path_factory
     """The checkpoint holds whole tensors: it loads without a process group, and shard_state
     would lay it out for any number of processes."""
     root = tmp_path_factory.getbasetemp()
-    path = next(root.glob("shard*/fsdp"))
+    path = next(root.glob("shard*/adamw-fsdp"))
     state = ft.load(path)
     assert all(type(t) is torch.Tensor for t in _tree.leaves(state.params))
     assert int(state.step) == 2

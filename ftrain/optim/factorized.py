@@ -50,7 +50,9 @@ def scale_by_factored_rms(
 
     State: ``count`` (int64) and, keyed like the params, ``v_row`` (``(..., R, 1)``), ``v_col``
     (``(..., 1, C)``) and ``v`` (like the param). Slots a tensor does not use hold an empty tensor,
-    so a matrix costs ``R + C`` numbers, not ``R * C``.
+    so a matrix costs ``R + C`` numbers, not ``R * C``. The row and column statistics are new
+    tensors every step, even where the update may work in place: under ``ft.shard`` a column mean
+    sums over every process's rows, and DTensor can write such a result only out of place.
 
     **Invariant:** equals the second-moment and update lines of ``torch.optim.Adafactor``
     (``beta2_decay = -decay_rate``, ``eps = (eps, ...)``).
@@ -101,10 +103,10 @@ def scale_by_factored_rms(
                 row_mean = row_mean / grad.size(-1)
                 col_mean = torch.linalg.vector_norm(grad, dim=-2, keepdim=True).square()
                 col_mean = col_mean / grad.size(-2)
-                if ctx.inplace:
-                    row, col = rows[i].lerp_(row_mean, w), cols[i].lerp_(col_mean, w)
-                else:
-                    row, col = rows[i].lerp(row_mean, w), cols[i].lerp(col_mean, w)
+                # New tensors even when in place is allowed (R + C numbers): under ft.shard the
+                # column mean sums over every process's rows, and DTensor cannot write it in
+                # place into v_col, whose single row sits on one process.
+                row, col = rows[i].lerp(row_mean, w), cols[i].lerp(col_mean, w)
                 new_rows[i], new_cols[i] = row, col
                 v_hat = row @ col  # (..., R, C): the outer product, rebuilt for this step only
                 v_hat = v_hat / row.mean(dim=-2, keepdim=True).clamp(min=eps1)

@@ -20,14 +20,19 @@ strategy   params          grads after reduce    optimizer state  communication 
 Sharded leaves are ``DTensor``\\ s placed ``Shard(0)`` on a 1-D ``DeviceMesh`` (a tensor's rows
 split as ``torch.chunk`` splits them; 0-d tensors are ``Replicate()``). The optimizers of
 ``ftrain.optim`` run on them unchanged: their ``torch._foreach_*`` math is elementwise, and DTensor
-makes every reduction in them global (the norm in ``clip_by_global_norm``, ``metrics["grad_norm"]``).
+makes every reduction in them global (the norm in ``clip_by_global_norm``, ``metrics["grad_norm"]``,
+``adafactor``'s statistics of a matrix whose rows are split: a few small collectives a matrix).
 Checked against ddp: ``sgd``, ``adam``, ``adamw``, ``lion`` and ``adamw8bit`` give the same bits
-under zero1/zero2/fsdp; ``lamb`` and clipping agree to rounding (a norm summed over shards).
-An optimizer that DTensor cannot run (an in-place op on a partly reduced tensor) fails on its
-first step with an error that says so. The few elementwise ``_foreach_*`` ops that DTensor has
-no rule for (``_foreach_copy_``) run on the local shards. The bulk traffic goes through one flat
-buffer per group of tensors (per step for ddp/zero, per block for fsdp), as FSDP2 does, not one
-collective per tensor.
+under zero1/zero2/fsdp; ``lamb`` and clipping agree to rounding (a norm summed over shards);
+``adafactor`` equals one process to 1e-5. Plain tensors that an optimizer makes inside its update
+(e.g. the ``sqrt(numel)`` of each tensor) count as ``Replicate()``, since every process computes
+them alike. The new state is put back in the layout it came in (a statistic reduced over the
+shards comes back ``Replicate()``), so the layout that :func:`shard_state` chose holds step after
+step. An optimizer that DTensor cannot run (an in-place op on a partly reduced tensor) fails on
+its first step with an error that says so. The few elementwise ``_foreach_*`` ops that DTensor
+has no rule for (``_foreach_copy_``) run on the local shards. The bulk traffic goes through one
+flat buffer per group of tensors (per step for ddp/zero, per block for fsdp), as FSDP2 does, not
+one collective per tensor.
 
 ``fsdp`` runs the model's blocks (found as ``ft.checkpoint`` finds them: the children of its
 largest ``ModuleList``) one at a time: right before a block runs, its parameters are all-gathered
@@ -603,16 +608,59 @@ def _alike(args: Sequence[Any]) -> list | None:
     return refs
 
 
+@contextlib.contextmanager
+def _plain_as_replicated() -> Iterator[None]:
+    """Optimizer context: a plain tensor that meets a DTensor counts as ``Replicate()``.
+
+    True of the plain tensors an optimizer makes inside its update: they are computed the same
+    way on every process from constants and replicated values (e.g. the ``sqrt(numel)`` of each
+    tensor that ``clip_by_block_rms`` divides the norms by). DTensor would refuse the mixed op;
+    ``implicit_replication`` is its switch for this, scoped here and restored on exit."""
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    dispatcher = _dtensor().DTensor._op_dispatcher
+    if getattr(dispatcher, "_allow_implicit_replication", False):
+        yield  # already on (the caller's own implicit_replication): leave it on
+        return
+    with implicit_replication():
+        yield
+
+
+def _laid_out_like(new: TensorDictBase, old: TensorDictBase) -> TensorDictBase:
+    """``new`` with each DTensor leaf placed as the same leaf of ``old`` (a tree of the same
+    structure); ``new`` itself when nothing moves.
+
+    An optimizer's out-of-place op may return another placement than its input had: the new
+    value of a statistic reduced over the shards comes back ``Replicate()`` (adafactor's
+    ``v_col``). Put back, the state keeps the layout :func:`shard_state` gave it, step after
+    step. ``Replicate`` to ``Shard(0)`` keeps this rank's rows (no traffic); ``Partial`` to
+    ``Shard(0)`` is a reduce-scatter."""
+    news, olds = _tree.leaves(new), _tree.leaves(old)
+    moved = [
+        n.redistribute(o.device_mesh, o.placements)
+        if _is_dtensor(n) and _is_dtensor(o) and n.placements != o.placements
+        else n
+        for n, o in zip(news, olds)
+    ]
+    if all(m is n for m, n in zip(moved, news)):
+        return new
+    return _tree.unflatten(new, moved)
+
+
 def _on_shards(inner: GradientTransformation) -> GradientTransformation:
-    """``inner`` with the DTensor gaps filled (see :class:`_LocalForeach`)."""
+    """``inner`` run on DTensors: the gaps of DTensor filled (:class:`_LocalForeach`, plain
+    tensors as replicated), and the updates and new state laid out as the grads and state that
+    came in (:func:`_laid_out_like`)."""
     takes_inplace = _accepts_inplace(inner.update)
 
     def update(updates, state, params=None, *, inplace=False):
         try:
-            with _LocalForeach():
+            with _LocalForeach(), _plain_as_replicated():
                 if takes_inplace:
-                    return inner.update(updates, state, params, inplace=inplace)
-                return inner.update(updates, state, params)
+                    new_u, new_s = inner.update(updates, state, params, inplace=inplace)
+                else:
+                    new_u, new_s = inner.update(updates, state, params)
+                return _laid_out_like(new_u, updates), _laid_out_like(new_s, state)
         except (RuntimeError, NotImplementedError) as e:
             if "DTensor" not in str(e) and "harding" not in str(e):
                 raise
