@@ -237,6 +237,12 @@ def _on_two_ranks(tmp: str) -> dict:
         shard_state(skewed, "zero1")
     except ValueError as e:
         errors["params differ"] = str(e)
+    try:
+        ft.compile(shard(ft.train_step(lm_loss(model), sgd()), "fsdp"))
+    except ValueError as e:
+        errors["compile after fsdp"] = str(e)
+    for strategy in ("ddp", "zero1", "zero2"):  # these compile (built here, not run)
+        ft.compile(shard(ft.train_step(lm_loss(model), sgd()), strategy))
     out["errors"] = errors
     return out
 
@@ -414,6 +420,22 @@ def test_unsharded_state_and_differing_params_are_caught(ranks):
     for r in ranks:
         assert "ft.shard_state(state, 'fsdp')" in r["errors"]["unsharded state"]
         assert "differ between processes" in r["errors"]["params differ"]
+
+
+def test_compile_and_fsdp_are_refused_when_the_step_is_built(ranks):
+    """In either order, before any step runs; the error names both transforms and the fix."""
+    compiled = ft.compile(ft.train_step(lm_loss(gpt()), sgd()))
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)^ft\.shard\(step, 'fsdp'\): step is already compiled.*"
+        r"ft\.compile\(ft\.shard\(step, 'zero2'\)\).*leave out ft\.compile",
+    ):
+        shard(compiled, "fsdp")  # refused before it looks for a process group
+    for r in ranks:
+        message = r["errors"]["compile after fsdp"]
+        assert message.startswith("ft.compile(step): step is sharded with ft.shard(step, 'fsdp')")
+        assert "ft.compile(ft.shard(step, 'zero2'))" in message
+        assert "leave out ft.compile" in message
 
 
 def test_shard_outside_a_step_needs_nothing_from_the_ranks():

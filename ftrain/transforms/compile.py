@@ -6,6 +6,7 @@ import torch
 
 from ftrain.step import Step
 from ftrain.transforms._common import already, check_step
+from ftrain.transforms.shard import _fsdp_with_compile, _is_fsdp
 
 __all__ = ["compile"]
 
@@ -17,7 +18,9 @@ def compile(step: Step, **torch_compile_kwargs) -> Step:  # noqa: A001 - mirrors
     Seeding from ``state.rng`` and the wrappers added *after* compile run eagerly around the
     compiled function. Learning rates and other changing hyper-parameters are tensors computed
     inside, so a schedule never triggers a recompile. Compile must be the last ftrain transform
-    (others applied after it are refused); compiling twice is an error.
+    (others applied after it are refused); compiling twice is an error, and so is compiling a step
+    sharded with ``ft.shard(step, "fsdp")`` (dynamo cannot trace its per-block gathering; use
+    ``"zero2"``, or run fsdp eagerly).
 
     **Invariant:** the same result as the eager step within floating-point tolerance; no
     recompiles across steps once the first call has compiled.
@@ -27,5 +30,7 @@ def compile(step: Step, **torch_compile_kwargs) -> Step:  # noqa: A001 - mirrors
         raise ValueError(
             "ft.compile was applied twice; the step is already compiled. Apply it once, last."
         )
+    if _is_fsdp(step):
+        raise _fsdp_with_compile("ft.compile(step)", "step is sharded with ft.shard(step, 'fsdp')")
     fn = torch.compile(step._inner(), **torch_compile_kwargs)
     return step.replace("compile", compiled=fn, wrappers=())
