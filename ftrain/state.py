@@ -7,6 +7,7 @@ a nested ``TensorDict`` keyed by module path, and :func:`apply` runs the module'
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import weakref
 from collections.abc import Callable, Iterator
 from itertools import chain
@@ -319,6 +320,24 @@ class TrainState:
     step: torch.Tensor
     rng: torch.Tensor
     extra: TensorDict
+
+    def replace(self, **fields) -> TrainState:
+        """A new TrainState with the named fields replaced wholesale and the others kept.
+
+        Unlike ``TensorDict.replace``, which merges a nested TensorDict into the old one (so keys
+        only the old one has would survive), ``state.replace(params=p).params`` holds exactly the
+        keys of ``p``. Nothing is copied: the result holds the given TensorDicts and tensors and
+        this state's other fields, as they are.
+        """
+        names = [f.name for f in dataclasses.fields(type(self))]
+        unknown = sorted(fields.keys() - set(names))
+        if unknown:
+            raise TypeError(
+                f"TrainState.replace: {unknown} are not fields of TrainState; its fields are "
+                f"{names}."
+            )
+        values = {name: fields[name] if name in fields else getattr(self, name) for name in names}
+        return type(self)(**values, batch_size=self.batch_size, device=self.device)
 
     @classmethod
     def create(cls, params: TensorDictBase, optimizer, *, seed: int = 0) -> TrainState:

@@ -282,3 +282,16 @@ def test_apply_does_not_keep_the_module_alive():
     del net
     gc.collect()
     assert ref() is None
+
+
+def test_train_state_replace_replaces_a_field_wholesale():
+    a, b = torch.zeros(2), torch.ones(2)
+    state = ft.TrainState.create(TensorDict({"a": a, "b": b}, []), ft.optim.sgd(0.1))
+    new_params = TensorDict({"a": torch.full((2,), 5.0)}, [])
+    new = state.replace(params=new_params)
+    assert list(new.params.keys()) == ["a"]  # not merged into the old params: "b" is gone
+    assert new.params is new_params  # nothing copied
+    assert new.opt_state is state.opt_state and new.step is state.step and new.rng is state.rng
+    assert list(state.params.keys()) == ["a", "b"] and state.params["a"] is a  # old one intact
+    with pytest.raises(TypeError, match=r"\['parms'\] are not fields of TrainState"):
+        state.replace(parms=new_params)
