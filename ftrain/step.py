@@ -185,6 +185,10 @@ class Step:
 
         Returns ``(grads, total, count, aux)``: gradient leaves in the params' key order, the sum
         of the loss totals and of the counts, and aux metrics averaged over micro-batches.
+
+        With one micro-batch and no ``scale`` the grads are autograd's own results, which may
+        share memory (``(a + b).sum()`` gives ``a`` and ``b`` one gradient tensor) or be
+        broadcast views: they must not be written in place. Otherwise they are fresh buffers.
         """
         values, tree = _tree.flatten(params)
         leaves = [p.detach().requires_grad_(True) for p in values]
@@ -202,9 +206,17 @@ class Step:
                 # range whatever the token count, then weight by the count to get the sum.
                 n = loss.count.detach().to(torch.float32).clamp_min(1.0)
                 g = torch.autograd.grad(loss.total * (scale / n), leaves, allow_unused=True)
-                torch._foreach_mul_([x for x in g if x is not None], n)
-            if grads is None:  # the one gradient buffer; later micro-batches add into it
+                # out of place: autograd's results may share memory or be broadcast views
+                scaled = iter(torch._foreach_mul([x for x in g if x is not None], n))
+                g = [None if x is None else next(scaled) for x in g]
+            if grads is None:  # later micro-batches add into these
                 grads = [gi if gi is not None else torch.zeros_like(p) for gi, p in zip(g, leaves)]
+                owned = scale is not None
+            elif not owned:  # the first micro-batch's are autograd's: add out of place, once
+                pairs = [(a, b) for a, b in zip(grads, g) if b is not None]
+                summed = iter(torch._foreach_add([a for a, _ in pairs], [b for _, b in pairs]))
+                grads = [a.clone() if b is None else next(summed) for a, b in zip(grads, g)]
+                owned = True
             else:
                 present = [(a, b) for a, b in zip(grads, g) if b is not None]
                 torch._foreach_add_([a for a, _ in present], [b for _, b in present])
@@ -259,16 +271,21 @@ class Step:
         scaler = self.loss_scaler
         scale = scaler.scale(state.extra) if scaler is not None else None
         grads, total, count, aux = self.grad(state.params, batch, scale)
+        owned = self.micro_batches > 1 or scale is not None  # else autograd's own (see grad)
         if self.reducer is not None:  # phase 3a: sums across processes
             sums = torch.stack([total.float(), count.float()])
             reduced = self.reducer.reduce(grads, sums)
-            grads = grads if reduced is None else reduced
+            if reduced is not None:  # new tensors
+                grads, owned = reduced, True
             total, count = sums[0], sums[1]
         # phase 3b: the one division, by the whole batch's count (and the loss scale)
         denom = count.to(torch.float32).clamp_min(1.0)
         if scale is not None:
             denom = denom * scale
-        torch._foreach_div_(grads, denom)
+        if owned:
+            torch._foreach_div_(grads, denom)
+        else:  # out of place: two params may share one gradient tensor, or it may be broadcast
+            grads = list(torch._foreach_div(grads, denom))
         grad_norm = _whole(global_norm(grads))
 
         finite = _whole(all_finite(grads)) if scaler is not None else None

@@ -184,3 +184,53 @@ def test_bad_step_arguments_are_refused_by_name():
     other = ft.TrainState.create(ft.params_of(torch.nn.Linear(3, 2)), opt)
     with pytest.raises(KeyError, match=r"missing key\(s\) \['blocks.0.attn.proj.bias'"):
         step(other, lm_batch())
+
+
+class _SharedGrad(torch.nn.Module):
+    """``a`` and ``b`` enter only as ``a + b``: autograd hands both the *same* gradient tensor;
+    ``c`` enters as ``c.sum()``: its gradient is a broadcast view (stride 0)."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.a = torch.nn.Parameter(torch.randn(3, 4, generator=g))
+        self.b = torch.nn.Parameter(torch.randn(3, 4, generator=g))
+        self.c = torch.nn.Parameter(torch.randn(4, generator=g))
+
+    def forward(self, x):
+        return ((x @ (self.a + self.b).T) ** 2).sum(-1) + self.c.sum()  # (N,) per-row losses
+
+
+@pytest.mark.parametrize("micro", [1, 2])
+@pytest.mark.parametrize("donate", [False, True])
+@pytest.mark.parametrize("fp16", [False, True], ids=["fp32", "fp16-scale"])
+def test_params_sharing_one_gradient_tensor_or_a_broadcast_one_update_correctly(
+    micro, donate, fp16
+):
+    model = _SharedGrad()
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+
+    def loss_fn(params, batch):
+        per_row = ft.apply(model, params, batch)
+        return ft.Loss(per_row.sum(), torch.tensor(per_row.numel()))
+
+    opt = optim.sgd(0.01)
+    step = ft.train_step(loss_fn, opt, donate=donate)
+    if micro > 1:
+        step = ft.accumulate(step, micro)
+    if fp16:
+        step = ft.autocast(step, torch.float16, loss_scale=64.0)  # fp16 matmuls, scaled loss
+    state = ft.TrainState.create(ft.params_of(model), opt, seed=0)
+    for _ in range(3):
+        state, _ = step(state, x)
+
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.01)
+    for _ in range(3):
+        ref_opt.zero_grad()
+        ref(x).mean().backward()
+        ref_opt.step()
+    # a gradient applied twice (or divided twice) is off by 2x, far outside even fp16's tolerance
+    tol = dict(rtol=2e-2, atol=2e-2) if fp16 else dict(rtol=1e-5, atol=1e-6)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(state.params[name], p.detach(), **tol)

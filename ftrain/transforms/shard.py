@@ -294,23 +294,31 @@ def _by_dtype(tensors: Sequence[torch.Tensor]) -> dict[torch.dtype, list[int]]:
     return groups
 
 
-def _all_reduce_flat(tensors: Sequence[torch.Tensor], group) -> None:
-    """Sum ``tensors`` across ranks in place, through few flat buffers (one per dtype and
-    bucket) instead of one collective per tensor."""
+def _all_reduce_flat(
+    tensors: Sequence[torch.Tensor], group, in_place: bool = True
+) -> list[torch.Tensor]:
+    """Sum ``tensors`` across ranks through few flat buffers (one per dtype and bucket) instead
+    of one collective per tensor. Returns the sums as views of the flat buffers (fresh memory,
+    one per tensor, even where the inputs share memory); ``in_place`` also copies them back."""
+    out: list[torch.Tensor | None] = [None] * len(tensors)
     for idx in _by_dtype(tensors).values():
-        bucket: list[torch.Tensor] = []
+        bucket: list[int] = []
         size = 0
         for i in [*idx, None]:
             t = tensors[i] if i is not None else None
             if bucket and (t is None or size + t.numel() > _BUCKET_ELEMENTS):
-                flat = torch.cat([b.reshape(-1) for b in bucket])  # a copy: the flat buffer
+                flat = torch.cat([tensors[b].reshape(-1) for b in bucket])  # a copy
                 dist.all_reduce(flat, group=group)
-                parts = flat.split([b.numel() for b in bucket])
-                torch._foreach_copy_(bucket, [p.view_as(b) for p, b in zip(parts, bucket)])
+                parts = flat.split([tensors[b].numel() for b in bucket])
+                for b, part in zip(bucket, parts):
+                    out[b] = part.view(tensors[b].shape)
+                if in_place:
+                    torch._foreach_copy_([tensors[b] for b in bucket], [out[b] for b in bucket])
                 bucket, size = [], 0
             if t is not None:
-                bucket.append(t)
+                bucket.append(i)
                 size += t.numel()
+    return out
 
 
 # -- plain <-> sharded --------------------------------------------------------------------------
@@ -503,13 +511,16 @@ def _check_device(state: TrainState, mesh) -> None:
 
 
 class _AllReduce:
-    """ddp, zero1: sum grads, loss total and count across ranks, in place, in flat buckets."""
+    """ddp, zero1: sum grads, loss total and count across ranks in flat buckets. The summed
+    grads are new tensors (views of the flat buffers); ``sums`` is summed in place."""
 
     def __init__(self, mesh):
         self.mesh = mesh
 
-    def reduce(self, grads: list[torch.Tensor], sums: torch.Tensor) -> None:
-        _all_reduce_flat([*grads, sums], self.mesh.get_group())
+    def reduce(self, grads: list[torch.Tensor], sums: torch.Tensor) -> list[torch.Tensor]:
+        *summed, total = _all_reduce_flat([*grads, sums], self.mesh.get_group(), in_place=False)
+        sums.copy_(total)
+        return summed
 
 
 class _ReduceScatter:
