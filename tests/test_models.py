@@ -395,3 +395,69 @@ def test_hf_gpt2_builds():
     params = {k: torch.zeros_like(v) for k, v in model.named_parameters()}
     out = torch.func.functional_call(model, params, (idx,)).logits
     assert torch.equal(out, torch.zeros_like(out))  # usable as a stateless template
+
+
+# --- MoE under torch.compile ---------------------------------------------------------------------
+
+
+def test_moe_fused_experts_equal_the_eager_loop():
+    """The custom-op path (used under torch.compile) computes the eager loop's outputs and
+    gradients, biases included, also when an expert gets no tokens."""
+    torch.manual_seed(0)
+    moe = MoE(GPTConfig(**SMALL, n_experts=4, top_k=2))
+    with torch.no_grad():
+        for p in (moe.b1, moe.b2):
+            p.normal_()
+    xs = torch.randn(24, 32, requires_grad=True)
+    counts = torch.tensor([7, 0, 12, 5])  # expert 1 idle
+    g = torch.randn(24, 32)
+    results = []
+    for fused in (False, True):
+        params = [xs, *moe.parameters()]
+        for p in params:
+            p.grad = None
+        y = moe.experts(xs, counts, fused=fused)
+        (y * g).sum().backward()
+        results.append([y.detach()] + [p.grad for p in params if p is not moe.router.weight])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert results[1][2][1].abs().max() == 0  # idle expert: zero w1 gradient
+
+
+def test_moe_step_compiles_without_graph_breaks_or_recompiles():
+    """ft.compile of a training step on a tiny MoE GPT: the model's forward is one graph (no
+    break in the MoE), and the step does not recompile over 3 steps whose batches route
+    differently. aot_eager traces forward and backward (the custom op's fake and backward
+    included) without inductor's slow code generation. (The step itself breaks the graph at
+    torch.autograd.grad, which is ftrain's and not the model's.)"""
+    import ftrain as ft
+    from ftrain.testing import assert_no_recompile
+
+    torch.manual_seed(0)
+    model = GPT(
+        GPTConfig(vocab_size=257, seq_len=16, d_model=32, n_layer=1, n_head=2, n_experts=4, top_k=2)
+    )
+
+    def loss_fn(params, batch):
+        logits, aux = ft.apply(model, params, batch["input"], return_aux=True)
+        ce, moe = ft.losses.cross_entropy(logits, batch["target"]), aux["moe_aux_loss"]
+        return ft.Loss(ce.total + moe * ce.count, ce.count)
+
+    opt = ft.optim.sgd(0.1)
+    state = ft.TrainState.create(ft.params_of(model), opt, seed=1)
+    eager = ft.train_step(loss_fn, opt)
+    batches = [
+        {"input": tokens(B=4, vocab=257, seed=s), "target": tokens(B=4, vocab=257, seed=s + 10)}
+        for s in range(3)
+    ]
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model)(batches[0]["input"], return_aux=True)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    final, history = assert_no_recompile(ft.compile(eager, backend="aot_eager"), state, batches)
+
+    s = state
+    for batch, m_compiled in zip(batches, history):
+        s, m = eager(s, batch)
+        torch.testing.assert_close(m_compiled["loss"], m["loss"], rtol=1e-5, atol=1e-5)
+    for a, b in zip(ft._tree.leaves(final.params), ft._tree.leaves(s.params)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

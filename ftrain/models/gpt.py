@@ -139,6 +139,76 @@ class MLP(nn.Module):
         return self.drop(self.proj(F.gelu(self.fc(x))))
 
 
+# --- expert matmul as an opaque custom op --------------------------------------------------------
+# Each expert multiplies its own contiguous slice of the expert-sorted rows. The slice sizes are
+# data (they change every step), so written in Python the loop needs ``counts.tolist()``: a graph
+# break under torch.compile and a new graph (or dynamic-shape churn) for each routing. Wrapped as a
+# custom op, dynamo and inductor see one call with a static output shape (rows, h) and never look
+# at the sizes; the loop runs eagerly inside, also in a compiled step. (F.grouped_mm does the same
+# in one kernel, but its fake-tensor kernel accepts bfloat16 only, and on CPU it was slower.)
+
+
+@torch.library.custom_op("ftrain::expert_mm", mutates_args=())
+def expert_mm(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, counts: torch.Tensor
+) -> torch.Tensor:
+    """Rows of ``x`` (M, d) grouped by expert, ``counts[e]`` rows for expert e, times that
+    expert's ``w[e]`` plus its bias ``b[e]``: (M, d) @ (E, d, h) + (E, h) -> (M, h). ``b`` may be
+    None; ``x``, ``w`` and ``b`` must have the same dtype."""
+    out = x.new_empty(x.shape[0], w.shape[-1])
+    # counts.tolist(): a host sync on an accelerator, once per call. Each product goes straight into
+    # its rows of ``out`` (a torch.cat of the pieces cost as much again as the matmuls' overhead).
+    sizes = counts.tolist()
+    for e, (xe, oe) in enumerate(zip(x.split(sizes), out.split(sizes))):
+        if b is None:
+            torch.mm(xe, w[e], out=oe)
+        else:
+            torch.addmm(b[e], xe, w[e], out=oe)
+    return out
+
+
+@expert_mm.register_fake
+def _(x, w, b, counts):
+    return x.new_empty(x.shape[0], w.shape[-1])
+
+
+@torch.library.custom_op("ftrain::expert_mm_wgrad", mutates_args=())
+def expert_mm_wgrad(x: torch.Tensor, grad: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Gradient of :func:`expert_mm` with respect to ``w``: (M, d), (M, h) -> (E, d, h); an
+    expert with no rows gets zeros."""
+    sizes = counts.tolist()
+    out = x.new_empty(counts.shape[0], x.shape[1], grad.shape[1])
+    for xe, ge, oe in zip(x.split(sizes), grad.split(sizes), out.unbind(0)):
+        torch.mm(xe.T, ge, out=oe)  # (d, 0) @ (0, h) is zeros
+    return out
+
+
+@expert_mm_wgrad.register_fake
+def _(x, grad, counts):
+    return x.new_empty(counts.shape[0], x.shape[1], grad.shape[1])
+
+
+def _expert_mm_setup(ctx, inputs, output):
+    x, w, _, counts = inputs
+    ctx.save_for_backward(x, w, counts)
+
+
+def _expert_mm_backward(ctx, grad):
+    x, w, counts = ctx.saved_tensors
+    need_x, need_w, need_b, _ = ctx.needs_input_grad
+    gx = expert_mm(grad, w.transpose(1, 2), None, counts) if need_x else None
+    gw = expert_mm_wgrad(x, grad, counts) if need_w else None
+    gb = None
+    if need_b:  # each expert's bias gradient: the sum of its rows' gradients
+        E, M = len(counts), grad.shape[0]
+        ids = torch.repeat_interleave(torch.arange(E, device=counts.device), counts, output_size=M)
+        gb = grad.new_zeros(E, grad.shape[1]).index_add_(0, ids, grad)
+    return gx, gw, gb, None
+
+
+expert_mm.register_autograd(_expert_mm_backward, setup_context=_expert_mm_setup)
+
+
 class MoE(nn.Module):
     """Mixture-of-experts feed-forward: each token goes to its top-k of ``n_experts`` MLPs.
 
@@ -152,7 +222,11 @@ class MoE(nn.Module):
     Dropless: every token is processed (no capacity limit), so the output of a token depends on
     that token only and the layer is causal. Expert weights are batched parameters
     ``w1: (E, d, d_ff)``, ``w2: (E, d_ff, d)``; tokens are sorted by expert so each expert runs one
-    matmul on a contiguous slice.
+    matmul on a contiguous slice. In eager mode that is a Python loop over the slices; under
+    ``torch.compile`` (e.g. ``ft.compile(step)``) the per-expert matmuls are one custom op,
+    :func:`expert_mm`, so the layer traces into the graph with static shapes: no graph break and no
+    recompile when the routing changes. Both read the per-expert counts on the host, a device sync
+    once per layer (per matmul for the op) on an accelerator.
 
     Guarantees: with ``n_experts=1`` it computes exactly the dense :class:`MLP` with
     ``w1[0] = fc.weight.T``, ``w2[0] = proj.weight.T`` (and the biases). ``forward`` returns
@@ -202,6 +276,29 @@ class MoE(nn.Module):
             y = y + self.b2[e]
         return y
 
+    def experts(
+        self, xs: torch.Tensor, counts: torch.Tensor, fused: bool | None = None
+    ) -> torch.Tensor:
+        """Every expert's MLP on its slice of the expert-sorted rows ``xs`` (M, d) -> (M, d), with
+        ``counts[e]`` rows for expert e: the same math as :meth:`expert` on each slice.
+
+        Two paths: a Python loop over :meth:`expert` (eager; a few percent faster there) and the
+        :func:`expert_mm` custom op (``fused``; the default under ``torch.compile``, where the loop
+        would be a graph break)."""
+        if fused is None:
+            fused = torch.compiler.is_compiling()
+        if not fused:
+            chunks = xs.split(counts.tolist())  # a host-device sync on an accelerator
+            return torch.cat([self.expert(e, chunk) for e, chunk in enumerate(chunks)])
+        # Under autocast the matmuls run in the autocast dtype, as ``x @ w`` would; the custom op
+        # is not autocast-aware, so cast here (the biases too: addmm adds them in that dtype).
+        dev = xs.device.type
+        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else xs.dtype
+        b1 = None if self.b1 is None else self.b1.to(dtype)
+        b2 = None if self.b2 is None else self.b2.to(dtype)
+        h = F.gelu(expert_mm(xs.to(dtype), self.w1.to(dtype), b1, counts))  # (M, d_ff)
+        return expert_mm(h.to(dtype), self.w2.to(dtype), b2, counts)  # (M, d)
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, T, d) -> ((B, T, d), 0-d load-balancing loss)."""
         B = x.shape[0]
@@ -211,11 +308,10 @@ class MoE(nn.Module):
         # Sort the N * k (token, expert) assignments by expert: each expert gets a contiguous slice.
         flat = experts.flatten()  # (N * k,) in (token, slot) order
         order = torch.argsort(flat, stable=True)  # (N * k,)
-        counts = torch.bincount(flat, minlength=self.n_experts)  # (E,) assignments per expert
+        # assignments per expert (E,): bincount's shape depends on the data, this one does not
+        counts = flat.new_zeros(self.n_experts).scatter_add_(0, flat, torch.ones_like(flat))
         xs = x[order // self.top_k]  # (N * k, d): token of each assignment, grouped by expert
-        # .tolist() is a host-device sync point (and a graph break under torch.compile), once per layer.
-        chunks = xs.split(counts.tolist())
-        ys = torch.cat([self.expert(e, chunk) for e, chunk in enumerate(chunks)])  # (N * k, d)
+        ys = self.experts(xs, counts)  # (N * k, d)
         ys = ys[torch.argsort(order)]  # (N * k, d): back in (token, slot) order; no scatter-add
         ys = rearrange(ys, "(n k) d -> n k d", k=self.top_k)  # (N, k, d)
         y = (ys * gates.unsqueeze(-1).to(ys.dtype)).sum(dim=1)  # (N, d): gate-weighted sum
