@@ -50,16 +50,16 @@ SIZES = {  # name: (d_model, n_layer, seq_len, batch, target for donate=True)
     "overhead-bound": (64, 2, 32, 8, 1.15),
 }
 # Where the rest goes: measured separately, with the same interleaving, when this was written.
-NOTES = """Where the donated step's remaining overhead goes at the overhead-bound size (measured
-separately on this machine, 2026-11-22): about 330 µs of it is `ft.apply` calling
-`torch.func.functional_call`, which re-derives the module's tied-weight map and swaps every
-parameter in and out on each call (a prototype that caches the accessor and the tie map per module
-brought the ratio from 1.10 to 1.045 in the same run); flattening and rebuilding TensorDicts is
-about 50 µs; dividing the gradients by the token count and the gradient norm the metrics report
-about 70 µs. The pure step costs more than the donated one because it allocates new params and
-moments every step: on this CPU a fresh multi-megabyte tensor costs several times an in-place pass
-over it. In isolation ftrain's AdamW is a chain of multi-tensor kernels (optax-style building
-blocks); torch's fused AdamW is one pass per tensor, about 3x faster than either foreach version."""
+NOTES = """Where the donated step's remaining overhead goes at the overhead-bound size: `ft.apply` swaps
+the params into the module through a per-module plan built once (tied places, owners, shapes),
+checked by identity on each call: about 25-75 µs over a plain module call (it was about 330 µs
+through `torch.func.functional_call`, which re-derives the tied-weight map every call; the ratio
+went from 1.08 to 1.05). Flattening and rebuilding TensorDicts is about 50 µs; dividing the
+gradients by the token count and the gradient norm the metrics report about 70 µs. The pure step
+costs more than the donated one because it allocates new params and moments every step: on this
+CPU a fresh multi-megabyte tensor costs several times an in-place pass over it. In isolation
+ftrain's AdamW is a chain of multi-tensor kernels (optax-style building blocks); torch's fused
+AdamW is one pass per tensor, about 3x faster than either foreach version."""
 SMALL_ROUNDS = 20  # times more rounds for the millisecond-long calls: medians of many short calls
 QUICK = {"compute-bound": (64, 2, 32, 8, 1.02), "overhead-bound": (32, 1, 16, 4, 1.15)}
 
