@@ -400,9 +400,11 @@ def test_hf_gpt2_builds():
 # --- MoE under torch.compile ---------------------------------------------------------------------
 
 
-def test_moe_fused_experts_equal_the_eager_loop():
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_moe_fused_experts_equal_the_eager_loop(autocast):
     """The custom-op path (used under torch.compile) computes the eager loop's outputs and
-    gradients, biases included, also when an expert gets no tokens."""
+    gradients, biases included, also when an expert gets no tokens; under autocast with the same
+    dtypes (bf16 matmuls, fp32 bias additions, so an fp32 output)."""
     torch.manual_seed(0)
     moe = MoE(GPTConfig(**SMALL, n_experts=4, top_k=2))
     with torch.no_grad():
@@ -416,11 +418,14 @@ def test_moe_fused_experts_equal_the_eager_loop():
         params = [xs, *moe.parameters()]
         for p in params:
             p.grad = None
-        y = moe.experts(xs, counts, fused=fused)
+        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+            y = moe.experts(xs, counts, fused=fused)
         (y * g).sum().backward()
         results.append([y.detach()] + [p.grad for p in params if p is not moe.router.weight])
+    assert results[0][0].dtype == results[1][0].dtype == torch.float32
+    tol = 1e-2 if autocast else 1e-5  # bf16 products: same ops, summation order may differ
     for a, b in zip(*results):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
     assert results[1][2][1].abs().max() == 0  # idle expert: zero w1 gradient
 
 

@@ -149,26 +149,20 @@ class MLP(nn.Module):
 
 
 @torch.library.custom_op("ftrain::expert_mm", mutates_args=())
-def expert_mm(
-    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, counts: torch.Tensor
-) -> torch.Tensor:
+def expert_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Rows of ``x`` (M, d) grouped by expert, ``counts[e]`` rows for expert e, times that
-    expert's ``w[e]`` plus its bias ``b[e]``: (M, d) @ (E, d, h) + (E, h) -> (M, h). ``b`` may be
-    None; ``x``, ``w`` and ``b`` must have the same dtype."""
+    expert's ``w[e]``: (M, d) @ (E, d, h) -> (M, h). ``x`` and ``w`` must have the same dtype."""
     out = x.new_empty(x.shape[0], w.shape[-1])
     # counts.tolist(): a host sync on an accelerator, once per call. Each product goes straight into
     # its rows of ``out`` (a torch.cat of the pieces cost as much again as the matmuls' overhead).
     sizes = counts.tolist()
     for e, (xe, oe) in enumerate(zip(x.split(sizes), out.split(sizes))):
-        if b is None:
-            torch.mm(xe, w[e], out=oe)
-        else:
-            torch.addmm(b[e], xe, w[e], out=oe)
+        torch.mm(xe, w[e], out=oe)
     return out
 
 
 @expert_mm.register_fake
-def _(x, w, b, counts):
+def _(x, w, counts):
     return x.new_empty(x.shape[0], w.shape[-1])
 
 
@@ -189,21 +183,16 @@ def _(x, grad, counts):
 
 
 def _expert_mm_setup(ctx, inputs, output):
-    x, w, _, counts = inputs
+    x, w, counts = inputs
     ctx.save_for_backward(x, w, counts)
 
 
 def _expert_mm_backward(ctx, grad):
     x, w, counts = ctx.saved_tensors
-    need_x, need_w, need_b, _ = ctx.needs_input_grad
-    gx = expert_mm(grad, w.transpose(1, 2), None, counts) if need_x else None
+    need_x, need_w, _ = ctx.needs_input_grad
+    gx = expert_mm(grad, w.transpose(1, 2), counts) if need_x else None
     gw = expert_mm_wgrad(x, grad, counts) if need_w else None
-    gb = None
-    if need_b:  # each expert's bias gradient: the sum of its rows' gradients
-        E, M = len(counts), grad.shape[0]
-        ids = torch.repeat_interleave(torch.arange(E, device=counts.device), counts, output_size=M)
-        gb = grad.new_zeros(E, grad.shape[1]).index_add_(0, ids, grad)
-    return gx, gw, gb, None
+    return gx, gw, None
 
 
 expert_mm.register_autograd(_expert_mm_backward, setup_context=_expert_mm_setup)
@@ -290,14 +279,21 @@ class MoE(nn.Module):
         if not fused:
             chunks = xs.split(counts.tolist())  # a host-device sync on an accelerator
             return torch.cat([self.expert(e, chunk) for e, chunk in enumerate(chunks)])
-        # Under autocast the matmuls run in the autocast dtype, as ``x @ w`` would; the custom op
-        # is not autocast-aware, so cast here (the biases too: addmm adds them in that dtype).
+        # Under autocast the matmuls run in the autocast dtype, as ``x @ w`` does in the loop; the
+        # custom op is not autocast-aware, so cast here. Biases are added outside the op, per row,
+        # with the loop's type promotion (a bf16 product plus an fp32 bias is fp32).
         dev = xs.device.type
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else xs.dtype
-        b1 = None if self.b1 is None else self.b1.to(dtype)
-        b2 = None if self.b2 is None else self.b2.to(dtype)
-        h = F.gelu(expert_mm(xs.to(dtype), self.w1.to(dtype), b1, counts))  # (M, d_ff)
-        return expert_mm(h.to(dtype), self.w2.to(dtype), b2, counts)  # (M, d)
+        expert_of_row = torch.repeat_interleave(
+            torch.arange(self.n_experts, device=xs.device), counts, output_size=xs.shape[0]
+        )  # (M,)
+        h = expert_mm(xs.to(dtype), self.w1.to(dtype), counts)  # (M, d_ff)
+        if self.b1 is not None:
+            h = h + self.b1[expert_of_row]
+        y = expert_mm(F.gelu(h).to(dtype), self.w2.to(dtype), counts)  # (M, d)
+        if self.b2 is not None:
+            y = y + self.b2[expert_of_row]
+        return y
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, T, d) -> ((B, T, d), 0-d load-balancing loss)."""
