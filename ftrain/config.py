@@ -137,6 +137,11 @@ class TrainConfig:
                 raise ValueError(
                     f"--{_flag(name)} must be one of {legal}, got {getattr(self, name)!r}"
                 )
+        if self.compile and self.shard == "fsdp":
+            raise ValueError(
+                "--compile cannot be combined with --shard fsdp (fsdp's per-block gathers "
+                "recompile the step every call); use --shard zero2 with --compile, or drop --compile"
+            )
         from ftrain.optim import OPTIMIZERS
 
         if self.optimizer not in OPTIMIZERS:

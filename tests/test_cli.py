@@ -101,6 +101,7 @@ def test_global_batch_size_sets_micro_batches(tmp_path, data_dir):
         (["--optimizer", "adamm"], "--optimizer must be one of"),
         (["--max-steps", "0"], "--max-steps must be >= 1"),
         (["--frobnicate"], "unrecognized arguments"),
+        (["--shard", "fsdp", "--compile"], "--compile cannot be combined with --shard fsdp"),
     ],
 )
 def test_bad_flags_get_usage_errors(argv, message, capsys):
