@@ -2,6 +2,8 @@
 
 import itertools
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -219,6 +221,25 @@ def test_load_state_dict_refuses_another_loaders_state():
         lenient.load_state_dict({"root": {}, "num_yielded": 3})
     with pytest.raises(ValueError, match="ints >= 0"):
         lenient.load_state_dict({**sd, "sample": -1})
+
+
+def test_thread_workers_leave_the_callers_thread_count():
+    # torchdata's workers call torch.set_num_threads(1); in a fresh process that count is the
+    # process's, so training would run on one thread. Fresh process: the default count is unset.
+    code = (
+        "import torch\n"
+        "from ftrain import data\n"
+        "torch.set_num_threads(2)\n"
+        "ds = [{'x': torch.tensor([i])} for i in range(64)]\n"
+        "it = iter(data.loader(ds, 4, num_workers=2, infinite=True))\n"
+        "for _ in range(5):\n"
+        "    next(it)\n"
+        "print(torch.get_num_threads())\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.split()[-1] == "2"
 
 
 def test_one_iterator_at_a_time():

@@ -80,6 +80,19 @@ def _to_device(batch: Mapping[str, Any], device: torch.device) -> Batch:
     }
 
 
+def _keep_num_threads(threads: int) -> None:
+    """Give the caller back its intra-op thread count if the pipeline's threads changed it.
+
+    torchdata's thread workers (and PinMemory's thread) call `torch.set_num_threads(1)` when
+    they start. That count is process-wide: in a fresh process it leaves the caller's own ops,
+    the training step included, on one thread. A worker may start a little after `reset()`,
+    so this runs after `reset()` and after each batch; the workers keep their own count of 1.
+    (`get_num_threads` is an atomic load, so the check costs nothing.)
+    """
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 class Loader:
     """Iterable batches from a map-style dataset with an exact resume state. Build it with `loader`.
 
@@ -91,6 +104,9 @@ class Loader:
 
     `state_dict()` after receiving k batches is the position after those k batches; a loader
     given it by `load_state_dict` yields batch k + 1 onwards, exactly as an uninterrupted loader.
+
+    Threads: iterating leaves `torch.get_num_threads()` as it was at `iter(loader)`, although
+    the worker threads run with one intra-op thread each.
     """
 
     def __init__(
@@ -189,10 +205,12 @@ class Loader:
         token = object()
         self._active = token
         self._source.start = (self._epoch, self._sample)
+        threads = torch.get_num_threads()
         self._root.reset()  # restarts every node (and its threads) at the current position
-        return self._batches(token)
+        _keep_num_threads(threads)
+        return self._batches(token, threads)
 
-    def _batches(self, token: object) -> Iterator[Batch]:
+    def _batches(self, token: object, threads: int) -> Iterator[Batch]:
         while True:
             if self._active is not token:
                 raise RuntimeError(
@@ -203,6 +221,8 @@ class Loader:
                 batch = next(self._root)
             except StopIteration:
                 return
+            finally:
+                _keep_num_threads(threads)
             self._advance()
             yield batch
 
