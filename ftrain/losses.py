@@ -36,7 +36,7 @@ class Loss(NamedTuple):
     @property
     def value(self) -> torch.Tensor:
         """``total / count`` (a count of zero gives zero, not NaN)."""
-        return self.total / self.count.clamp_min(1)
+        return self.total / torch.where(self.count != 0, self.count, torch.ones_like(self.count))
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> Loss:
@@ -62,21 +62,16 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int
 
 
 def _rows(batch) -> int:
-    if isinstance(batch, torch.Tensor):
-        return batch.shape[0]
-    if isinstance(batch, Mapping):
-        for v in batch.values():
-            if isinstance(v, torch.Tensor) and v.dim() > 0:
-                return v.shape[0]
-    if isinstance(batch, (tuple, list)):
-        for v in batch:
-            if isinstance(v, torch.Tensor) and v.dim() > 0:
-                return v.shape[0]
-    raise TypeError(
-        "a loss_fn that returns a plain scalar is taken as a mean over batch rows, but the batch "
-        f"({type(batch).__name__}) holds no tensor with a leading batch dimension. "
-        "Return ft.Loss(total, count) instead."
-    )
+    from ftrain.step import batch_rows  # the step's own reading of the batch (nested too)
+
+    rows = batch_rows(batch)
+    if rows is None:
+        raise TypeError(
+            "a loss_fn that returns a plain scalar is taken as a mean over batch rows, but the "
+            f"batch ({type(batch).__name__}) holds no tensor with a leading batch dimension. "
+            "Return ft.Loss(total, count) instead."
+        )
+    return rows
 
 
 def as_loss(out, batch) -> Loss:
@@ -103,7 +98,8 @@ def as_loss(out, batch) -> Loss:
                 "Reduce it (e.g. .mean()), or return ft.Loss(total=losses.sum(), count=n)."
             )
         rows = _rows(batch)
-        total, count = out * rows, torch.tensor(rows, device=out.device)
+        # in fp32: a bf16 `rows` would round (257 -> 256) and bias every gradient; fp16 overflows
+        total, count = out.float() * rows, torch.tensor(rows, device=out.device)
     else:
         raise TypeError(
             f"loss_fn returned {type(out).__name__}; return ft.Loss(total, count), a scalar "

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from tensordict import TensorDict
@@ -48,8 +48,9 @@ class LossScaler(Protocol):
 
 
 class GradReducer(Protocol):
-    """What ``ft.shard`` plugs into a step: sums across processes, in place. A reducer that
-    changes the gradients' layout (ZeRO-2 keeps each process's shard) returns the new list."""
+    """What ``ft.shard`` plugs into a step: sums across processes, in place or (returned) as new
+    tensors. ``after_backward = True`` (optional) says the gradients reach :meth:`reduce`
+    unreduced, so the step may weight each process's by its local count before the sum."""
 
     def reduce(
         self, grads: list[torch.Tensor], sums: torch.Tensor
@@ -101,6 +102,8 @@ def split_batch(batch: Any, k: int) -> list[Any]:
         return [type(batch)({key: parts[key][i] for key in batch}) for i in range(k)]
     if isinstance(batch, (tuple, list)):
         parts = [split_batch(v, k) for v in batch]
+        if hasattr(batch, "_fields"):  # a namedtuple takes its fields as arguments
+            return [type(batch)(*(p[i] for p in parts)) for i in range(k)]
         return [type(batch)(p[i] for p in parts) for i in range(k)]
     return [batch] * k
 
@@ -172,46 +175,56 @@ class Step:
     # -- phases -----------------------------------------------------------------------------
     def forward(self, params: TensorDict, batch: Any) -> Loss:
         """Phase 1: the loss of one micro-batch, under the forward contexts."""
+        return self._forward(params, batch)[0]
+
+    def _forward(self, params: TensorDict, batch: Any) -> tuple[Loss, bool]:
+        """:meth:`forward`, and whether the loss_fn returned a bf16/fp16 scalar mean."""
         with contextlib.ExitStack() as stack:
             for ctx in self.forward_contexts:
                 stack.enter_context(ctx(params))
             out = self.loss_fn(params, batch)
-        return as_loss(out, batch)
+        raw = out[0] if isinstance(out, tuple) and not isinstance(out, Loss) else out
+        low_mean = isinstance(raw, torch.Tensor) and raw.dtype in (torch.float16, torch.bfloat16)
+        return as_loss(out, batch), low_mean
 
-    def grad(
-        self, params: TensorDict, batch: Any, scale: torch.Tensor | None = None
-    ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        """Phase 2: summed (unnormalized, ``scale``-multiplied) gradients over the micro-batches.
+    def grad(self, params: TensorDict, batch: Any, scale: torch.Tensor | None = None) -> _Grads:
+        """Phase 2: the gradients of the micro-batches' summed losses, times ``scale`` if given.
 
-        Returns ``(grads, total, count, aux)``: gradient leaves in the params' key order, the sum
-        of the loss totals and of the counts, and aux metrics averaged over micro-batches.
-
-        With one micro-batch and no ``scale`` the grads are autograd's own results, which may
-        share memory (``(a + b).sum()`` gives ``a`` and ``b`` one gradient tensor) or be
-        broadcast views: they must not be written in place. Otherwise they are fresh buffers.
+        Usually the gradient of each micro-batch's ``total`` is taken directly. Two cases
+        backpropagate the micro-batch's *mean* instead and weight the result by its count, so
+        that the gradient entering the loss graph is O(1): with a loss ``scale`` (fp16), where
+        ``total * scale`` would overflow fp16 for large counts; and when ``loss_fn`` returned a
+        bf16/fp16 scalar mean, where the count itself would be rounded on its way into the
+        graph (257 rows is 256 in bf16: every gradient off by 256/257). A reducer that sums
+        gradients during backward (``fsdp``) cannot take local weights afterwards, so there the
+        second case falls back to the sum (fp16 under fsdp defers its reduction instead).
         """
         values, tree = _tree.flatten(params)
         leaves = [p.detach().requires_grad_(True) for p in values]
         p_in = tree.unflatten(leaves)
         micro = split_batch(batch, self.micro_batches)
+        weights_ok = self.reducer is None or _reduces_after(self)
         grads: list[torch.Tensor] | None = None
         total = count = None
+        owned = False
         aux: dict[str, torch.Tensor] = {}
         for mb in micro:
-            loss = self.forward(p_in, mb)
-            if scale is None:
-                g = torch.autograd.grad(loss.total, leaves, allow_unused=True)
+            loss, low_mean = self._forward(p_in, mb)
+            if scale is not None or (low_mean and weights_ok):
+                n = _nonzero(loss.count.detach().to(torch.float32))
+                factor = 1.0 / n if scale is None else scale / n
+                g = torch.autograd.grad(loss.total * factor, leaves, allow_unused=True)
+                # weight by the count, out of place: the gradient of the sum, in fresh buffers
+                weighted = iter(torch._foreach_mul([x for x in g if x is not None], n))
+                g = [None if x is None else next(weighted) for x in g]
+                fresh = True
             else:
-                # fp16: backpropagate the scaled *mean* so activation gradients stay in fp16's
-                # range whatever the token count, then weight by the count to get the sum.
-                n = loss.count.detach().to(torch.float32).clamp_min(1.0)
-                g = torch.autograd.grad(loss.total * (scale / n), leaves, allow_unused=True)
-                # out of place: autograd's results may share memory or be broadcast views
-                scaled = iter(torch._foreach_mul([x for x in g if x is not None], n))
-                g = [None if x is None else next(scaled) for x in g]
+                g = torch.autograd.grad(loss.total, leaves, allow_unused=True)
+                fresh = False  # autograd's own: they may share memory ((a + b).sum() gives a
+                # and b one gradient tensor) or be broadcast views, so never written in place
             if grads is None:  # later micro-batches add into these
                 grads = [gi if gi is not None else torch.zeros_like(p) for gi, p in zip(g, leaves)]
-                owned = scale is not None
+                owned = fresh
             elif not owned:  # the first micro-batch's are autograd's: add out of place, once
                 pairs = [(a, b) for a, b in zip(grads, g) if b is not None]
                 summed = iter(torch._foreach_add([a for a, _ in pairs], [b for _, b in pairs]))
@@ -225,7 +238,7 @@ class Step:
             for k, v in loss.aux.items():
                 v = v.detach().float() / len(micro)
                 aux[k] = v if k not in aux else aux[k] + v
-        return grads, total, count, aux
+        return _Grads(grads, total, count, aux, owned)
 
     def update(
         self,
@@ -270,8 +283,7 @@ class Step:
         compiles)."""
         scaler = self.loss_scaler
         scale = scaler.scale(state.extra) if scaler is not None else None
-        grads, total, count, aux = self.grad(state.params, batch, scale)
-        owned = self.micro_batches > 1 or scale is not None  # else autograd's own (see grad)
+        grads, total, count, aux, owned = self.grad(state.params, batch, scale)
         if self.reducer is not None:  # phase 3a: sums across processes
             sums = torch.stack([total.float(), count.float()])
             reduced = self.reducer.reduce(grads, sums)
@@ -279,12 +291,12 @@ class Step:
                 grads, owned = reduced, True
             total, count = sums[0], sums[1]
         # phase 3b: the one division, by the whole batch's count (and the loss scale)
-        denom = count.to(torch.float32).clamp_min(1.0)
+        denom = _nonzero(count.to(torch.float32))
         if scale is not None:
             denom = denom * scale
         if owned:
             torch._foreach_div_(grads, denom)
-        else:  # out of place: two params may share one gradient tensor, or it may be broadcast
+        else:  # autograd's own (see grad): out of place, then the buffers are the step's own
             grads = list(torch._foreach_div(grads, denom))
         grad_norm = _whole(global_norm(grads))
 
@@ -303,7 +315,7 @@ class Step:
             extra=extra,
         )
         metrics = {
-            "loss": total / count.clamp_min(1),
+            "loss": total / _nonzero(count),
             "count": count,
             "grad_norm": grad_norm,
             "lr": _find_lr(s, sdef),
@@ -356,6 +368,27 @@ def _whole(x: torch.Tensor) -> torch.Tensor:
     return x.full_tensor()
 
 
+class _Grads(NamedTuple):
+    """What :meth:`Step.grad` returns."""
+
+    grads: list[torch.Tensor]  # of the summed loss, in the params' key order, times the scale
+    total: torch.Tensor  # sum of the micro-batches' loss totals
+    count: torch.Tensor  # sum of their counts
+    aux: dict[str, torch.Tensor]  # aux metrics averaged over micro-batches
+    owned: bool  # fresh buffers the step may overwrite; else autograd's own (may alias)
+
+
+def _reduces_after(step: Step) -> bool:
+    """Whether the step's reducer sums the gradients after backward (ddp, zero1, zero2), so that
+    they may be weighted by the local count first; fsdp sums them during backward."""
+    return getattr(step.reducer, "after_backward", False)
+
+
+def _nonzero(count: torch.Tensor) -> torch.Tensor:
+    """``count``, or 1 where it is 0 (an empty batch): a fractional count (weights) is kept."""
+    return torch.where(count != 0, count, torch.ones_like(count))
+
+
 def _find_lr(opt_state: list[torch.Tensor], sdef: _tree.TreeDef) -> torch.Tensor:
     """The ``lr`` leaf the optimizer recorded (from ``scale_by_learning_rate``), or NaN.
 
@@ -364,7 +397,17 @@ def _find_lr(opt_state: list[torch.Tensor], sdef: _tree.TreeDef) -> torch.Tensor
     compiling = torch.compiler.is_compiling()  # then leave module state alone (dynamo guards it)
     index = -1 if compiling else _LR_INDEX.get(sdef, -1)
     if index == -1:
-        index = next((i for i, k in enumerate(sdef.paths) if k.rsplit(".", 1)[-1] == "lr"), None)
+        # scale_by_learning_rate's state is {count, lr}: an `lr` leaf with a `count` sibling (a
+        # parameter named `lr` also gives `lr` leaves, inside moment trees, without one)
+        paths = set(sdef.paths)
+        index = next(
+            (
+                i
+                for i, k in enumerate(sdef.paths)
+                if k.rsplit(".", 1)[-1] == "lr" and k[: -len("lr")] + "count" in paths
+            ),
+            None,
+        )
         if not compiling:
             _LR_INDEX[sdef] = index
     if index is None:
@@ -396,9 +439,13 @@ def train_step(
 
     Guarantees: the input state is not modified (unless ``donate``); the same state and batch give
     the same result (dropout included: the random stream comes from ``state.rng`` and
-    ``state.step``); gradients are those of ``sum(total) / sum(count)`` over the whole batch;
-    metrics are 0-d tensors (``loss``, ``count``, ``grad_norm``, ``lr`` and the loss's aux),
-    computed without a host sync.
+    ``state.step``); gradients are those of ``sum(total) / sum(count)`` over the whole batch
+    (a count of 0 counts as 1; a fractional count, e.g. a sum of weights, is used as is);
+    metrics are 0-d tensors (``loss``, ``count``, ``grad_norm`` before any clipping, ``lr`` and the
+    loss's aux, each aux value averaged over micro-batches with equal weight), computed without a
+    host sync. A parameter the loss does not use gets a zero gradient, as in optax: the optimizer
+    still applies momentum and weight decay to it, where ``torch.optim`` skips a parameter whose
+    ``.grad`` is None.
     """
     if not callable(loss_fn):
         raise TypeError(

@@ -234,3 +234,91 @@ def test_params_sharing_one_gradient_tensor_or_a_broadcast_one_update_correctly(
     tol = dict(rtol=2e-2, atol=2e-2) if fp16 else dict(rtol=1e-5, atol=1e-6)
     for name, p in ref.named_parameters():
         torch.testing.assert_close(state.params[name], p.detach(), **tol)
+
+
+def test_bf16_mean_loss_gives_the_mean_gradient_whatever_the_row_count():
+    # The gradient entering a bf16 loss is O(1): a count of 257 rows is 256 in bf16, and had the
+    # step backpropagated mean * 257 every gradient would be scaled by 256/257.
+    lin = torch.nn.Linear(3, 1, bias=False)
+
+    def loss_fn(params, x):
+        return ft.apply(lin, params, x).pow(2).mean()  # bf16 under autocast
+
+    opt = optim.sgd(1.0)
+    x = torch.randn(257, 3, generator=torch.Generator().manual_seed(0))
+    state = ft.TrainState.create(ft.params_of(lin), opt)
+    new, _ = ft.autocast(ft.train_step(loss_fn, opt), torch.bfloat16)(state, x)
+    w = state.params["weight"].clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = torch.nn.functional.linear(x, w).pow(2).mean()
+    (g,) = torch.autograd.grad(ref, w)
+    torch.testing.assert_close(state.params["weight"] - new.params["weight"], g, rtol=1e-4, atol=0)
+
+
+def test_fp16_mean_loss_over_many_rows_reports_a_finite_loss():
+    lin = torch.nn.Linear(4, 1)
+    x = 30 * torch.randn(4096, 4, generator=torch.Generator().manual_seed(0))
+
+    def loss_fn(params, x):
+        return ft.apply(lin, params, x).pow(2).mean()  # mean * 4096 overflows fp16
+
+    opt = optim.sgd(1e-3)
+    state = ft.TrainState.create(ft.params_of(lin), opt)
+    _, m16 = ft.autocast(ft.train_step(loss_fn, opt), torch.float16, loss_scale=1.0)(state, x)
+    _, m32 = ft.train_step(loss_fn, opt)(state, x)
+    assert torch.isfinite(m16["loss"]) and not m16["skipped"]
+    torch.testing.assert_close(m16["loss"], m32["loss"], rtol=1e-2, atol=0)
+
+
+def test_a_fractional_count_normalizes_by_that_count():
+    lin = torch.nn.Linear(3, 1)
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
+
+    def loss_fn(params, x):  # importance weights summing to 0.5
+        return ft.Loss(ft.apply(lin, params, x).pow(2).sum() * 0.125, torch.tensor(0.5))
+
+    opt = optim.sgd(0.1)
+    state = ft.TrainState.create(ft.params_of(lin), opt)
+    new, metrics = ft.train_step(loss_fn, opt)(state, x)
+    ref = copy.deepcopy(lin)
+    loss = ref(x).pow(2).sum() * 0.125 / 0.5
+    loss.backward()
+    torch.testing.assert_close(metrics["loss"], loss.detach())
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(state.params[name] - new.params[name], 0.1 * p.grad)
+
+
+def test_lr_metric_is_the_optimizers_even_with_a_parameter_named_lr():
+    model = torch.nn.Module()
+    model.lr = torch.nn.Parameter(torch.ones(3))
+
+    def loss_fn(params, x):
+        return (params["lr"] * x).sum()
+
+    opt = optim.adamw(1e-3)
+    state = ft.TrainState.create(ft.params_of(model), opt)
+    _, metrics = ft.train_step(loss_fn, opt)(state, torch.ones(2, 3))
+    assert metrics["lr"].dim() == 0 and float(metrics["lr"]) == pytest.approx(1e-3)
+
+
+def test_accumulate_splits_namedtuple_and_nested_dict_batches():
+    from collections import namedtuple
+
+    Batch = namedtuple("Batch", "x y")
+    lin = torch.nn.Linear(3, 1)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(6, 3, generator=g), torch.randn(6, 1, generator=g)
+    opt = optim.sgd(0.1)
+    state = ft.TrainState.create(ft.params_of(lin), opt)
+
+    def tuple_loss(params, b):
+        return (ft.apply(lin, params, b.x) - b.y).pow(2).mean()
+
+    def nested_loss(params, b):
+        return (ft.apply(lin, params, b["in"]["x"]) - b["y"]).pow(2).mean()
+
+    for loss_fn, batch in [(tuple_loss, Batch(x, y)), (nested_loss, {"in": {"x": x}, "y": y})]:
+        whole, _ = ft.train_step(loss_fn, opt)(state, batch)
+        acc, _ = ft.accumulate(ft.train_step(loss_fn, opt), 3)(state, batch)
+        for k in ("weight", "bias"):
+            torch.testing.assert_close(acc.params[k], whole.params[k])

@@ -514,6 +514,8 @@ class _AllReduce:
     """ddp, zero1: sum grads, loss total and count across ranks in flat buckets. The summed
     grads are new tensors (views of the flat buffers); ``sums`` is summed in place."""
 
+    after_backward = True  # see ftrain.step._reduces_after
+
     def __init__(self, mesh):
         self.mesh = mesh
 
@@ -525,6 +527,8 @@ class _AllReduce:
 
 class _ReduceScatter:
     """zero2: sums of the grads land as ``Shard(0)`` DTensors, each rank holding its rows."""
+
+    after_backward = True  # see ftrain.step._reduces_after
 
     def __init__(self, mesh):
         self.mesh = mesh
