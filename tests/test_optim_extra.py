@@ -112,3 +112,19 @@ def test_lamb_matches_by_hand_reference():
             p[k] = p[k] - 0.01 * (p[k].norm() / r.norm()) * r
         for k in p:
             torch.testing.assert_close(ft.state_dict_of(params)[k], p[k], rtol=1e-5, atol=1e-6)
+
+
+def test_adamw8bit_takes_bf16_params_and_keeps_their_dtype():
+    g = torch.Generator().manual_seed(0)
+    params = ft.params_of(torch.nn.Linear(64, 128)).apply(lambda t: t.to(torch.bfloat16))
+    grads = params.apply(lambda t: torch.randn(t.shape, generator=g).to(torch.bfloat16))
+    # the fp32 reference: the same optimizer on fp32 copies of the same numbers
+    p32, g32 = params.apply(lambda t: t.float()), grads.apply(lambda t: t.float())
+    opt = adamw8bit(1e-2, min_8bit_size=1024)  # the weight (8192 elements) is quantized
+    state, state32 = opt.init(params), opt.init(p32)
+    for _ in range(3):
+        updates, state = opt.update(grads, state, params)
+        ref, state32 = opt.update(g32, state32, p32)
+        for k in ("weight", "bias"):
+            assert updates[k].dtype == torch.bfloat16
+            torch.testing.assert_close(updates[k].float(), ref[k], rtol=1e-2, atol=1e-4)

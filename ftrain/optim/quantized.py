@@ -114,14 +114,15 @@ def scale_by_adam_8bit(
         out, per_leaf = [], {}
         for k, g in _tree.to_flat(updates).items():
             m = state["moments"][tuple(k.split(_tree.SEP))]
+            g32 = g.float()  # the moment math is fp32 whatever the params' dtype
             if "mu" in m.keys():
                 mu, nu = m["mu"], m["nu"]
             else:
-                mu = dequantize_blockwise(m["mu_q"], m["mu_scale"], g, signed=True)
-                nu = dequantize_blockwise(m["nu_q"], m["nu_scale"], g, signed=False)
-            mu = torch.lerp(mu, g, 1 - b1)
-            nu = torch.addcmul(nu * b2, g, g, value=1 - b2)
-            out.append(mu / bc1 / (nu.sqrt() / bc2_sqrt + eps))
+                mu = dequantize_blockwise(m["mu_q"], m["mu_scale"], g32, signed=True)
+                nu = dequantize_blockwise(m["nu_q"], m["nu_scale"], g32, signed=False)
+            mu = torch.lerp(mu, g32, 1 - b1)
+            nu = torch.addcmul(nu * b2, g32, g32, value=1 - b2)
+            out.append((mu / bc1 / (nu.sqrt() / bc2_sqrt + eps)).to(g.dtype))
             per_leaf[k] = leaf_state(mu, nu)
         new_state = TensorDict({"count": count, "moments": moments(per_leaf)}, [])
         return _tree.unflatten(updates, out), new_state
