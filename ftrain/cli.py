@@ -42,11 +42,13 @@ def main(argv: list[str] | None = None) -> int:
     ns = p.parse_args(argv)
     if ns.command == "train":
         sub = p._subparsers._group_actions[0].choices["train"]  # for error messages
+        from ftrain.train import check_out, train
+
         try:
             cfg = from_args(ns)
+            check_out(cfg)
         except ValueError as e:
             sub.error(str(e))
-        from ftrain.train import train
 
         summary = train(cfg)
         return 130 if summary.get("interrupted") else 0

@@ -194,8 +194,27 @@ def evaluate(model: GPT, params, dataset, cfg: TrainConfig) -> float:
 
 
 # -- the run directory --------------------------------------------------------------------------
+def check_out(cfg: TrainConfig) -> None:
+    """A fresh run (no ``--resume``) refuses an ``--out`` that already holds checkpoints.
+
+    Otherwise the two runs would mix: pruning, ``latest_checkpoint`` and a later ``--resume``
+    would pick the old run's checkpoints. Raises ValueError (the command: a usage error).
+    """
+    if cfg.resume or cfg.out is None:
+        return
+    out = Path(cfg.out)
+    old = sorted(p.name for p in out.glob("checkpoint-*")) if out.is_dir() else []
+    if old:
+        raise ValueError(
+            f"--out {out} already holds checkpoints of another run ({', '.join(old[:3])}"
+            f"{', ...' if len(old) > 3 else ''}); pass --resume to continue that run, or choose "
+            "another --out for a fresh one"
+        )
+
+
 def prepare_out(cfg: TrainConfig) -> Path:
     """The run directory, created and checked writable before any work starts."""
+    check_out(cfg)
     out = Path(cfg.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
     try:
         out.mkdir(parents=True, exist_ok=True)

@@ -127,6 +127,21 @@ def test_unwritable_out_is_an_error_before_training(tmp_path, data_dir):
         main(["train", *TINY, "--data-dir", data_dir, "--out", str(blocker / "run")])
 
 
+def test_fresh_run_refuses_an_out_with_checkpoints(tmp_path, data_dir, capsys):
+    out = tmp_path / "run"
+    args = [*TINY, "--data-dir", data_dir, "--max-steps", "2", "--out", str(out)]
+    assert main(["train", *args]) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(["train", *args, "--max-steps", "3"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert str(out) in err and "--resume" in err and "another --out" in err
+    assert "Traceback" not in err
+    assert ft.latest_checkpoint(out).name == "checkpoint-2"  # the old run is untouched
+    assert main(["train", *args, "--max-steps", "3", "--resume"]) == 0
+
+
 def _spawn(args, tmp_path):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen(
