@@ -206,8 +206,28 @@ def load_toml(path: str | Path) -> dict[str, Any]:
                 f"--config {path}: unknown setting {key!r}; known: "
                 f"{', '.join(sorted(n for n in _FIELDS if n != 'config'))}"
             )
-        out[name] = value
+        out[name] = _check_type(path, key, value, _base_type(_HINTS[name]))
     return out
+
+
+def _check_type(path, key: str, value: Any, typ: type) -> Any:
+    """``value`` if a TOML value fits the field's type (an int is also a float; a bool is only a
+    bool, never an int), else a ValueError naming the key, the value and the type expected."""
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, typ) and (typ is bool or not isinstance(value, bool)):
+        return value
+    hint = ' (a TOML string is "quoted")' if typ is str else ""
+    if typ is bool:
+        hint = " (true or false, unquoted)"
+    raise ValueError(
+        f"--config {path}: {key} must be {_a(typ.__name__)}{hint}, got {key} = {value!r} "
+        f"({_a(type(value).__name__)})"
+    )
+
+
+def _a(noun: str) -> str:
+    return f"{'an' if noun[0] in 'aeiou' else 'a'} {noun}"
 
 
 def from_args(ns: argparse.Namespace) -> TrainConfig:

@@ -120,6 +120,35 @@ def test_unknown_config_key_is_refused(tmp_path, capsys):
     assert "unknown setting 'd_modle'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ('max_steps = "3"', "max_steps must be an int, got max_steps = '3' (a str)"),
+        ("max_steps = 2.5", "max_steps must be an int, got max_steps = 2.5"),
+        ('resume = "no"', "resume must be a bool (true or false, unquoted), got resume = 'no'"),
+        ("precision = 16", "precision must be a str"),
+        ("seed = true", "seed must be an int, got seed = True (a bool)"),
+        ("lr = false", "lr must be a float, got lr = False"),
+    ],
+)
+def test_config_values_of_the_wrong_type_are_usage_errors(tmp_path, line, message, capsys):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(line + "\n")
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--config", str(cfg)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_config_float_accepts_an_int(tmp_path):
+    from ftrain.config import load_toml
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("lr = 1\nweight_decay = 0\n")
+    assert load_toml(cfg) == {"lr": 1.0, "weight_decay": 0.0}
+
+
 def test_unwritable_out_is_an_error_before_training(tmp_path, data_dir):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
