@@ -495,9 +495,12 @@ def sample_text(
     top_k: int | None = 50,
     seed: int = 0,
 ) -> str:
-    """Generate from ``params`` with the model's code (the template's own tensors are not used)."""
+    """Generate from ``params`` with the model's code (the template's own tensors are not used).
+
+    An empty ``prompt`` samples unconditionally, from the start of a document."""
     tok = data.ByteTokenizer()
-    ids = torch.tensor([tok.encode(prompt)], dtype=torch.long)
+    # An empty prompt starts from the end-of-document token (dropped by decode): unconditional.
+    ids = torch.tensor([tok.encode(prompt) or [tok.eot_id]], dtype=torch.long)
     model = copy.deepcopy(model)  # the template stays untouched
     model.load_state_dict(ft.state_dict_of(params), strict=False)  # strict=False: tied weights
     model.eval()

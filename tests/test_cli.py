@@ -71,6 +71,18 @@ def test_outputs_and_sample(tmp_path, data_dir, capsys):
     assert text.startswith("import ") and len(text) >= len("import ") + 10
 
 
+def test_sample_with_an_empty_prompt_is_unconditional(tmp_path, data_dir, capsys):
+    out = tmp_path / "run"
+    args = [*TINY, "--data-dir", data_dir, "--max-steps", "1", "--out", str(out)]
+    assert main(["train", *args]) == 0
+    capsys.readouterr()
+    assert main(["sample", "--run", str(out), "--prompt", "", "--max-new-tokens", "20"]) == 0
+    assert capsys.readouterr().out.strip("\n")  # some text (the start token is not printed)
+    model = ft.models.GPT(ft.models.GPTConfig(seq_len=8, d_model=16, n_layer=1, n_head=2)).eval()
+    with pytest.raises(ValueError, match="T >= 1"):
+        ft.models.generate(model, torch.zeros(1, 0, dtype=torch.long), 3)
+
+
 def test_config_file_and_flags(tmp_path, data_dir):
     cfg = tmp_path / "c.toml"
     cfg.write_text('max-steps = 2\nd_model = 48\nlr_schedule = "constant"\nweight_decay = 0.0\n')

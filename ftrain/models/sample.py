@@ -47,6 +47,11 @@ def generate(
                 "generate: cannot tell the model's context length; pass seq_len=... "
                 "(it is read from model.config.seq_len when the model has one)."
             )
+    if idx.ndim != 2 or idx.size(1) == 0:
+        raise ValueError(
+            f"generate: idx must be (B, T) token ids with T >= 1, got shape {tuple(idx.shape)}; "
+            "to sample unconditionally, start from a start/end-of-document token."
+        )
     if max_new_tokens < 0:
         raise ValueError(f"generate: max_new_tokens={max_new_tokens} must be >= 0.")
     if temperature < 0:
