@@ -52,16 +52,24 @@ def max_rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """``max|actual - expected| / max|expected|`` in float64: the error relative to the tensor's
     scale (0.0 when both are zero, ``inf`` when only ``expected`` is zero or a value is not finite
     where the other is)."""
-    a, e = actual.detach().double(), expected.detach().double()
-    same_nonfinite = (~torch.isfinite(a) | ~torch.isfinite(e)) & (a == e)
-    diff = torch.where(same_nonfinite, torch.zeros_like(a), (a - e).abs())
-    if diff.numel() == 0:
-        return 0.0
-    err = diff.nan_to_num(nan=math.inf, posinf=math.inf).max().item()
-    scale = torch.where(torch.isfinite(e), e.abs(), torch.zeros_like(e)).max().item()
+    err, scale = _error_and_scale(actual, expected)
     if err == 0.0:
         return 0.0
     return err / scale if scale > 0 else math.inf
+
+
+def _error_and_scale(actual: torch.Tensor, expected: torch.Tensor) -> tuple[float, float]:
+    """``(max|actual - expected|, max|expected|)`` in float64; equal non-finite values count as
+    no error, a non-finite value where the other differs as ``inf``; non-finite values of
+    ``expected`` do not count toward its scale."""
+    a, e = actual.detach().double(), expected.detach().double()
+    if a.numel() == 0:
+        return 0.0, 0.0
+    same_nonfinite = (~torch.isfinite(a) | ~torch.isfinite(e)) & (a == e)
+    diff = torch.where(same_nonfinite, torch.zeros_like(a), (a - e).abs())
+    err = diff.nan_to_num(nan=math.inf, posinf=math.inf).max().item()
+    scale = torch.where(torch.isfinite(e), e.abs(), torch.zeros_like(e)).max().item()
+    return err, scale
 
 
 def _leaves_by_key(td: TensorDictBase, prefix: str) -> dict[str, torch.Tensor]:
@@ -126,18 +134,18 @@ def assert_steps_close(
                     f"assert_steps_close: after step {i + 1}, {key} is {a.dtype}{list(a.shape)} "
                     f"in step_a but {b.dtype}{list(b.shape)} in step_b."
                 )
-            rel = max_rel_error(a, b)
-            scale = b.detach().double().abs().max().item() if b.numel() else 0.0
-            err = rel * scale if rel not in (0.0, math.inf) else rel
+            err, scale = _error_and_scale(a, b)  # an all-zero b: err is judged against atol
             allowed = atol + rtol * scale
             if not err <= allowed:
-                failures.append((err / allowed if allowed > 0 else math.inf, rel, key))
+                rel = err / scale if scale > 0 else math.inf
+                failures.append((err / allowed if allowed > 0 else math.inf, rel, err, key))
         if failures:
-            _, rel, key = max(failures)
+            _, rel, err, key = max(failures)
             raise AssertionError(
                 f"assert_steps_close: the steps differ after step {i + 1} of {steps}: worst key "
-                f"{key!r} has relative error {rel:.3g} (max|a-b| / max|b|; allowed: rtol={rtol:g}, "
-                f"atol={atol:g}); {len(failures)} of {len(ta)} tensors out of tolerance."
+                f"{key!r} has relative error {rel:.3g} (max|a-b| / max|b|; max|a-b| = {err:.3g}; "
+                f"allowed: atol + rtol * max|b| with rtol={rtol:g}, atol={atol:g}); "
+                f"{len(failures)} of {len(ta)} tensors out of tolerance."
             )
     return sa, sb
 

@@ -136,6 +136,24 @@ def test_assert_steps_close_names_the_worst_key():
     assert "1 of " in msg
 
 
+def test_assert_steps_close_judges_an_all_zero_reference_by_atol():
+    step, state = chain_step(1)
+
+    def add(eps):  # a zero entry in the state that one side moves by eps
+        def stepped(state, batch):
+            state, metrics = step(state, batch)
+            params = state.params.clone()
+            params["zero"] = torch.zeros(3) + eps
+            return state.replace(params=params), metrics
+
+        return stepped
+
+    x = torch.randn(B, D)
+    assert_steps_close(add(1e-12), add(0.0), state, x, steps=1, rtol=1e-5, atol=1e-8)
+    with pytest.raises(AssertionError, match="'params.zero' has relative error inf"):
+        assert_steps_close(add(1e-6), add(0.0), state, x, steps=1, rtol=1e-5, atol=1e-8)
+
+
 def test_assert_steps_close_works_with_donated_steps():
     torch.manual_seed(0)
     model = Chain(2)
