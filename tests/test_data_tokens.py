@@ -94,6 +94,14 @@ def test_build_skips_and_counts_bad_files(corpus, built):
     assert summary.num_docs == 40 and summary.dtype == "uint16"
 
 
+def test_a_text_with_a_lone_surrogate_is_skipped_as_undecodable(tmp_path):
+    with pytest.raises(UnicodeEncodeError):
+        TOK.encode("a\ud800")  # as the ByteTokenizer docstring says
+    s = data.build_token_dataset([("ok", "hi"), ("bad", "a\ud800b")], tmp_path, progress=False)
+    assert s.num_docs == 1 and s.skipped["undecodable"] == 1 and s.skipped_files == ("bad",)
+    assert _docs(tmp_path)[0].tolist() == [*b"hi", TOK.eot_id]
+
+
 def test_build_is_cached_and_rebuilt_when_a_source_changes(tmp_path):
     src = tmp_path / "a.py"
     src.write_text("x = 1\n")

@@ -19,7 +19,9 @@ __all__ = ["ByteTokenizer"]
 class ByteTokenizer:
     """UTF-8 bytes as tokens: ids 0..255 are the bytes, id 256 ends a document.
 
-    Guarantees: `decode(encode(s)) == s` for every string `s`; every id is `< vocab_size` (257),
+    Guarantees: `decode(encode(s)) == s` for every string `s` that UTF-8 can encode (all but
+    strings with a lone surrogate such as U+D800, where `encode` raises UnicodeEncodeError,
+    as `str.encode("utf-8")` does); every id is `< vocab_size` (257),
     so a token file fits in `uint16`. `decode` drops end-of-document tokens and replaces byte
     sequences that are not valid UTF-8 (as a model may sample) with U+FFFD instead of raising.
 

@@ -226,7 +226,8 @@ def build_token_dataset(
     Guarantees:
       - One document per source, in the given order; each is followed by `eot_id`. The token file
         uses the smallest unsigned dtype that holds the vocabulary (`uint16` for `ByteTokenizer`).
-      - Files that are not valid UTF-8 are skipped and counted as "undecodable", files that cannot
+      - Files that are not valid UTF-8, and texts the tokenizer cannot encode (a lone surrogate
+        such as U+D800 has no UTF-8) are skipped and counted as "undecodable", files that cannot
         be read as "unreadable", empty texts as "empty"; the counts and the first 50 names are in
         the returned summary and in `meta.json`. A skipped file never stops the build.
       - If `out_dir` already holds a whole build of the same sources (same paths, sizes and
@@ -272,6 +273,12 @@ def build_token_dataset(
     arrays: list[np.ndarray] = []
     skipped = {"undecodable": 0, "unreadable": 0, "empty": 0}
     skipped_files: list[str] = []
+
+    def skip(reason: str, name: str) -> None:
+        skipped[reason] += 1
+        if len(skipped_files) < _MAX_SKIPPED_LISTED:
+            skipped_files.append(name)
+
     for item in tqdm(items, desc=f"tokenizing into {out}", unit="doc", disable=not progress):
         if isinstance(item, Path):
             name = str(item)
@@ -287,15 +294,19 @@ def build_token_dataset(
             name, text = item
             reason = None if text else "empty"
         if reason is not None:
-            skipped[reason] += 1
-            if len(skipped_files) < _MAX_SKIPPED_LISTED:
-                skipped_files.append(name)
+            skip(reason, name)
             continue
-        ids = encode_array(text) if encode_array is not None else np.asarray(tokenizer.encode(text))
+        try:
+            ids = (
+                encode_array(text)
+                if encode_array is not None
+                else np.asarray(tokenizer.encode(text))
+            )
+        except UnicodeEncodeError:  # a lone surrogate (U+D800..U+DFFF) has no UTF-8
+            skip("undecodable", name)
+            continue
         if ids.size == 0:
-            skipped["empty"] += 1
-            if len(skipped_files) < _MAX_SKIPPED_LISTED:
-                skipped_files.append(name)
+            skip("empty", name)
             continue
         if ids.ndim != 1 or ids.dtype.kind not in "iu":
             raise TypeError(
