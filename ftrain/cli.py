@@ -1,6 +1,7 @@
 """The ``ftrain`` command: ``ftrain train`` and ``ftrain sample``.
 
-Bad flags get argparse's usage message and exit code 2, never a traceback.
+Bad flags get argparse's usage message and exit code 2, never a traceback; a damaged checkpoint
+gets its message and exit code 1.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ftrain.checkpoint_io import CheckpointError
 from ftrain.config import add_arguments, from_args
 
 __all__ = ["main", "parser"]
@@ -50,16 +52,25 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             sub.error(str(e))
 
-        summary = train(cfg)
+        try:
+            summary = train(cfg)
+        except CheckpointError as e:  # a damaged checkpoint: its message says which and why
+            print(f"ftrain train: {e}", file=sys.stderr)
+            return 1
         return 130 if summary.get("interrupted") else 0
     if ns.command == "sample":
         if ns.max_new_tokens < 1 or ns.temperature < 0 or ns.top_k < 0:
             p.error("sample: --max-new-tokens >= 1, --temperature >= 0 and --top-k >= 0")
         from ftrain.train import sample
 
-        print(
-            sample(ns.run, ns.prompt, ns.max_new_tokens, ns.temperature, ns.top_k or None, ns.seed)
-        )
+        try:
+            text = sample(
+                ns.run, ns.prompt, ns.max_new_tokens, ns.temperature, ns.top_k or None, ns.seed
+            )
+        except CheckpointError as e:
+            print(f"ftrain sample: {e}", file=sys.stderr)
+            return 1
+        print(text)
         return 0
     return 2  # pragma: no cover
 

@@ -83,6 +83,19 @@ def test_sample_with_an_empty_prompt_is_unconditional(tmp_path, data_dir, capsys
         ft.models.generate(model, torch.zeros(1, 0, dtype=torch.long), 3)
 
 
+def test_sample_from_a_damaged_checkpoint_is_a_message(tmp_path, data_dir, capsys):
+    out = tmp_path / "run"
+    args = [*TINY, "--data-dir", data_dir, "--max-steps", "1", "--out", str(out)]
+    assert main(["train", *args]) == 0
+    ckpt = ft.latest_checkpoint(out)
+    for f in ckpt.glob("*.safetensors"):
+        f.write_bytes(f.read_bytes()[:100])  # truncated
+    capsys.readouterr()
+    assert main(["sample", "--run", str(ckpt), "--max-new-tokens", "5"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("ftrain sample: ") and "Traceback" not in err
+
+
 def test_config_file_and_flags(tmp_path, data_dir):
     cfg = tmp_path / "c.toml"
     cfg.write_text('max-steps = 2\nd_model = 48\nlr_schedule = "constant"\nweight_decay = 0.0\n')
