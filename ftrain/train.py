@@ -377,13 +377,13 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=cfg.max_steps, initial=start, unit="step", dynamic_ncols=True)
-    batches = iter(loader)
     t0 = time.perf_counter()
     t_log, step_at_log = t0, start
     metrics: dict[str, torch.Tensor] = {}
     last: dict[str, float] = {}
     interrupted = False
-    with _deferred_interrupt() as flag:
+    # Leaving the block stops the loader's threads (its position, saved below, stays).
+    with iter(loader) as batches, _deferred_interrupt() as flag:
         for i in range(start, cfg.max_steps):
             state, metrics = step_fn(state, next(batches))
             n = i + 1

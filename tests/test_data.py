@@ -4,6 +4,7 @@ import itertools
 import json
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -240,6 +241,22 @@ def test_thread_workers_leave_the_callers_thread_count():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
     assert out.stdout.split()[-1] == "2"
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_close_stops_the_worker_threads(prefetch):
+    before = set(threading.enumerate())
+    ld = data.loader(Numbered(64), 4, num_workers=2, prefetch=prefetch, infinite=True)
+    with iter(ld) as it:
+        first = next(it)["id"]
+        assert len(set(threading.enumerate()) - before) >= 2  # the workers run
+    assert set(threading.enumerate()) - before == set()
+    with pytest.raises(StopIteration):
+        next(it)
+    again = next(iter(ld))["id"]  # the position is kept: the next batch, not the first again
+    assert not torch.equal(again, first)
+    ref = list(itertools.islice(iter(data.loader(Numbered(64), 4, infinite=True)), 2))
+    assert torch.equal(ref[0]["id"], first) and torch.equal(ref[1]["id"], again)
 
 
 def test_one_iterator_at_a_time():

@@ -14,7 +14,7 @@ Variable-length examples, length-bucketed and padded (with "mask"):
 from ftrain.data import corpora
 from ftrain.data.collate import IGNORE_INDEX, PadCollate, padding_fraction, stack_collate
 from ftrain.data.order import BucketByLength, Sequential, Shuffled, bucket_by_length
-from ftrain.data.pipeline import Loader, loader
+from ftrain.data.pipeline import Loader, LoaderIterator, loader
 from ftrain.data.tokenizers import ByteTokenizer
 from ftrain.data.tokens import (
     BuildSummary,
@@ -31,6 +31,7 @@ __all__ = [
     "ByteTokenizer",
     "DocumentDataset",
     "Loader",
+    "LoaderIterator",
     "PadCollate",
     "Sequential",
     "Shuffled",

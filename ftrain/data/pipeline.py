@@ -12,7 +12,9 @@ different number of workers, prefetch depth or device.
 
 from __future__ import annotations
 
+import atexit
 import functools
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal
 
@@ -30,7 +32,7 @@ from torchdata.nodes import (
 from ftrain.data.collate import stack_collate
 from ftrain.data.order import BucketByLength, Sequential, Shuffled
 
-__all__ = ["Loader", "loader"]
+__all__ = ["Loader", "LoaderIterator", "loader"]
 
 STATE_FORMAT = "ftrain.data.loader/1"
 Batch = dict[str, torch.Tensor]
@@ -93,6 +95,64 @@ def _keep_num_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
+_OPEN: weakref.WeakSet[LoaderIterator] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_iterators() -> None:
+    # Worker threads still running inside torch when the interpreter exits can abort it
+    # ("terminate called without an active exception"); stop them first.
+    for it in list(_OPEN):
+        it.close()
+
+
+class LoaderIterator(Iterator[Batch]):
+    """One pass of a `Loader` (`iter(loader)`). `close()`, or leaving a `with` block, stops its
+    worker and prefetch threads; an iterator left open is closed at interpreter exit."""
+
+    def __init__(self, loader: Loader):
+        self._loader, self._closed = loader, False
+        loader._active = self
+        loader._source.start = (loader._epoch, loader._sample)
+        self._threads = torch.get_num_threads()
+        loader._root.reset()  # restarts every node (and its threads) at the current position
+        _keep_num_threads(self._threads)
+        _OPEN.add(self)
+
+    def __next__(self) -> Batch:
+        ld = self._loader
+        if self._closed:
+            raise StopIteration
+        if ld._active is not self:
+            raise RuntimeError(
+                "Loader: a newer iter(loader) replaced this iterator; use one iterator at a "
+                "time (loader positions are shared)"
+            )
+        try:
+            batch = next(ld._root)
+        finally:
+            _keep_num_threads(self._threads)
+        ld._advance()
+        return batch
+
+    def close(self) -> None:
+        """Stop the threads (or processes) that read ahead; `next()` then raises StopIteration.
+        The loader keeps its position: a new `iter(loader)` goes on from the last batch taken."""
+        if self._closed:
+            return
+        self._closed = True
+        _OPEN.discard(self)
+        if self._loader._active is self:
+            self._loader._active = None
+            self._loader._stop_threads()
+
+    def __enter__(self) -> LoaderIterator:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 class Loader:
     """Iterable batches from a map-style dataset with an exact resume state. Build it with `loader`.
 
@@ -106,7 +166,8 @@ class Loader:
     given it by `load_state_dict` yields batch k + 1 onwards, exactly as an uninterrupted loader.
 
     Threads: iterating leaves `torch.get_num_threads()` as it was at `iter(loader)`, although
-    the worker threads run with one intra-op thread each.
+    the worker threads run with one intra-op thread each. `iter(loader)` is a `LoaderIterator`:
+    `with iter(loader) as batches:` (or `batches.close()`) stops its worker threads.
     """
 
     def __init__(
@@ -140,6 +201,8 @@ class Loader:
         self.pin_memory = pin_memory and device.type == "cuda"
         self._epoch, self._sample = 0, 0
         self._active: object | None = None
+        self._pin: BaseNode | None = None
+        self._prefetcher: BaseNode | None = None
 
         # The graph, in the order the data flows. snapshot_frequency=0: torchdata's own resume
         # (a snapshot of the upstream state after every item) would be wasted work, since a
@@ -148,7 +211,7 @@ class Loader:
         self._source = node
         # in_order=True: the workers' results come out in the sampler's order, so the batches
         # do not depend on the number of workers or on which one finishes first.
-        node = ParallelMapper(
+        node = self._mapper = ParallelMapper(
             node,
             dataset.__getitem__,
             num_workers=num_workers,
@@ -160,9 +223,11 @@ class Loader:
         node = Batcher(node, batch_size, drop_last=False)
         node = Mapper(node, collate)
         if self.pin_memory:  # page-locked host memory: the host-to-device copy can run async
-            node = PinMemory(node, snapshot_frequency=0)
+            node = self._pin = PinMemory(node, snapshot_frequency=0)
         if prefetch > 0:  # a background thread keeps `prefetch` batches ready
-            node = Prefetcher(node, prefetch_factor=prefetch, snapshot_frequency=0)
+            node = self._prefetcher = Prefetcher(
+                node, prefetch_factor=prefetch, snapshot_frequency=0
+            )
         if device.type != "cpu":
             node = Mapper(node, functools.partial(_to_device, device=device))
         self._root = node
@@ -201,30 +266,18 @@ class Loader:
 
     # -- iteration --------------------------------------------------------------------------
 
-    def __iter__(self) -> Iterator[Batch]:
-        token = object()
-        self._active = token
-        self._source.start = (self._epoch, self._sample)
-        threads = torch.get_num_threads()
-        self._root.reset()  # restarts every node (and its threads) at the current position
-        _keep_num_threads(threads)
-        return self._batches(token, threads)
+    def __iter__(self) -> LoaderIterator:
+        return LoaderIterator(self)
 
-    def _batches(self, token: object, threads: int) -> Iterator[Batch]:
-        while True:
-            if self._active is not token:
-                raise RuntimeError(
-                    "Loader: a newer iter(loader) replaced this iterator; use one iterator at a "
-                    "time (loader positions are shared)"
-                )
-            try:
-                batch = next(self._root)
-            except StopIteration:
-                return
-            finally:
-                _keep_num_threads(threads)
-            self._advance()
-            yield batch
+    def _stop_threads(self) -> None:
+        # torchdata's nodes have no public close(): their iterators stop their threads (or
+        # processes) in _shutdown(). The mapper goes first: its next() then ends, so the
+        # prefetch thread that waits on it ends too.
+        for node in (self._mapper, self._pin, self._prefetcher):
+            it = getattr(node, "_it", None)
+            it = getattr(it, "_it", it)  # ParallelMapper -> _ParallelMapperImpl -> its iterator
+            if hasattr(it, "_shutdown"):
+                it._shutdown()
 
     # -- state ------------------------------------------------------------------------------
 
