@@ -31,7 +31,7 @@ import torch
 
 import ftrain as ft
 from ftrain import data, optim
-from ftrain.config import TrainConfig
+from ftrain.config import TrainConfig, _flag
 from ftrain.models import GPT, GPTConfig, generate
 from ftrain.transforms.shard import shard, shard_state, unshard, unshard_state
 
@@ -343,6 +343,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         else:
             meta = ft.load_meta(latest)
             _check_world_size(meta, world)
+            _check_resumed_config(cfg, meta["extra"].get("config", {}), main)
             state = ft.load(latest, like=state)  # whole tensors: sharded below
             extra = meta["extra"]
             loader.load_state_dict(extra.get("loaders", [extra["loader"]])[rank])
@@ -482,6 +483,39 @@ def _check_world_size(meta: dict, world: int) -> None:
             f"`torchrun --nproc_per_node {saved} -m ftrain train ... --resume`. (The state itself is "
             "saved whole: ft.load(path) and ft.shard_state(state, strategy) lay it out for any "
             "number of processes, e.g. to fine-tune from it.)"
+        )
+
+
+# Settings that fix the model, the data or the random stream: a run cannot continue exactly
+# with another value. The others (lr, max_steps, logging, ...) may change on --resume.
+RESUME_FIXED = ("seed", "seq_len", "d_model", "n_layer", "n_head", "n_experts", "top_k",
+                "batch_size", "data_dir")  # fmt: skip
+_NOT_COMPARED = ("out", "resume", "config", "progress")
+
+
+def _check_resumed_config(cfg: TrainConfig, saved: dict[str, Any], main: bool) -> None:
+    """On --resume: a setting of RESUME_FIXED that differs from the checkpoint's is a usage error
+    (exit 2) naming each, saved and new value; other changes get a one-line note on stderr."""
+    now = cfg.to_dict()
+    diff = {
+        k: (saved[k], now[k])
+        for k in now
+        if k in saved and k not in _NOT_COMPARED and saved[k] != now[k]
+    }
+    fixed = [f"--{_flag(k)} {a!r} -> {b!r}" for k, (a, b) in diff.items() if k in RESUME_FIXED]
+    if fixed:
+        print(
+            f"ftrain train: error: --resume: these settings differ from the checkpoint's and "
+            f"would not continue the same run: {', '.join(fixed)} (saved -> new); resume with "
+            f"the saved values, or train into another --out for a new run",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
+    changed = [f"--{_flag(k)} {a!r} -> {b!r}" for k, (a, b) in diff.items()]
+    if changed and main:
+        print(
+            f"ftrain train: note: --resume with changed settings: {', '.join(changed)}",
+            file=sys.stderr,
         )
 
 

@@ -71,6 +71,22 @@ def test_outputs_and_sample(tmp_path, data_dir, capsys):
     assert text.startswith("import ") and len(text) >= len("import ") + 10
 
 
+def test_resume_refuses_changed_model_and_notes_other_changes(tmp_path, data_dir, capsys):
+    out = tmp_path / "run"
+    args = [*TINY, "--data-dir", data_dir, "--out", str(out)]
+    assert main(["train", *args, "--max-steps", "2"]) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(["train", *args, "--max-steps", "3", "--resume", "--d-model", "64", "--seed", "1"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--d-model 32 -> 64" in err and "--seed 0 -> 1" in err and "Traceback" not in err
+    assert main(["train", *args, "--max-steps", "3", "--resume", "--lr", "0.001"]) == 0
+    err = capsys.readouterr().err
+    assert "note: --resume with changed settings" in err
+    assert "--lr 0.003 -> 0.001" in err and "--max-steps 2 -> 3" in err
+
+
 def test_sample_with_an_empty_prompt_is_unconditional(tmp_path, data_dir, capsys):
     out = tmp_path / "run"
     args = [*TINY, "--data-dir", data_dir, "--max-steps", "1", "--out", str(out)]
