@@ -329,7 +329,7 @@ class TrainState:
         keys of ``p``. Nothing is copied: the result holds the given TensorDicts and tensors and
         this state's other fields, as they are.
         """
-        names = [f.name for f in dataclasses.fields(type(self))]
+        names = _STATE_FIELDS
         unknown = sorted(fields.keys() - set(names))
         if unknown:
             raise TypeError(
@@ -365,3 +365,8 @@ class TrainState:
             extra=TensorDict({}, batch_size=[]),
             batch_size=[],
         )
+
+
+# TrainState's field names, read once (``dataclasses.fields`` of a tensorclass is not traceable
+# by dynamo, and ft.compile traces replace() inside user transforms such as ft.ema).
+_STATE_FIELDS = tuple(f.name for f in dataclasses.fields(TrainState))

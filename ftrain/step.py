@@ -179,10 +179,7 @@ class Step:
 
     def _forward(self, params: TensorDict, batch: Any) -> tuple[Loss, bool]:
         """:meth:`forward`, and whether the loss_fn returned a bf16/fp16 scalar mean."""
-        with contextlib.ExitStack() as stack:
-            for ctx in self.forward_contexts:
-                stack.enter_context(ctx(params))
-            out = self.loss_fn(params, batch)
+        out = _within(self.forward_contexts, params, lambda: self.loss_fn(params, batch))
         raw = out[0] if isinstance(out, tuple) and not isinstance(out, Loss) else out
         low_mean = isinstance(raw, torch.Tensor) and raw.dtype in (torch.float16, torch.bfloat16)
         return as_loss(out, batch), low_mean
@@ -359,6 +356,17 @@ class Step:
 
 
 _LR_INDEX: dict[_tree.TreeDef, int | None] = {}
+
+
+def _within(factories: tuple[ContextFactory, ...], arg: Any, fn: Callable[[], Any]) -> Any:
+    """``fn()`` inside the contexts ``factory(arg)`` of ``factories``, the first outermost.
+
+    Nested ``with`` statements rather than an ``ExitStack``: dynamo traces ``with torch.autocast``
+    into the graph, but breaks the graph at the explicit ``__enter__`` call an ExitStack makes."""
+    if not factories:
+        return fn()
+    with factories[0](arg):
+        return _within(factories[1:], arg, fn)
 
 
 def _whole(x: torch.Tensor) -> torch.Tensor:

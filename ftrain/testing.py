@@ -1,4 +1,5 @@
-"""A kit for testing steps and transforms: compare two steps, catch recompiles, count memory.
+"""A kit for testing steps and transforms: compare two steps, catch graph breaks and recompiles,
+count memory.
 
 Use it to test a transform of your own the way ftrain tests its built-ins::
 
@@ -37,6 +38,7 @@ from ftrain.step import Step, split_batch
 __all__ = [
     "assert_steps_close",
     "assert_no_recompile",
+    "assert_one_graph",
     "saved_activation_bytes",
     "saved_bytes",
     "max_rel_error",
@@ -199,6 +201,50 @@ def assert_no_recompile(
                 "to see which."
             )
     return state, history
+
+
+def assert_one_graph(step: Step, state: TrainState, batch: Any) -> torch.fx.GraphModule:
+    """Trace ``ft.compile(step)`` once and assert that dynamo captured the whole step, forward,
+    backward and optimizer update, as one graph with no graph break.
+
+    ``step`` is the step *before* ``ft.compile``: this helper compiles it itself with a backend
+    that records the graphs dynamo hands over and runs them as they are (tracing only, no code
+    generation: seconds, not minutes). A break fails with dynamo's reasons for it. ``state`` is
+    not modified. Returns the graph, e.g. to look at the ops it holds (``graph.print_readable()``).
+    """
+    from torch._dynamo import config as dynamo_config
+    from torch._dynamo.utils import counters
+
+    from ftrain.transforms.compile import compile as ft_compile
+
+    if not isinstance(step, Step) or step.compiled is not None:
+        raise TypeError(
+            "assert_one_graph(step, ...): pass the step before ft.compile (an ft.Step); the "
+            "helper compiles it with a recording backend."
+        )
+    graphs: list[torch.fx.GraphModule] = []
+
+    def record(gm: torch.fx.GraphModule, example_inputs: Any) -> Callable:
+        graphs.append(gm)
+        return gm.forward
+
+    breaks_before = dict(counters["graph_break"])
+    # Each call compiles anew (a new backend); a raised limit keeps earlier calls from using up
+    # the entries dynamo allows per function, which would make it run the step eagerly.
+    with dynamo_config.patch(recompile_limit=1 << 20, accumulated_recompile_limit=1 << 20):
+        ft_compile(step, backend=record)(state.clone(), batch)
+    breaks = {
+        reason: n - breaks_before.get(reason, 0)
+        for reason, n in counters["graph_break"].items()
+        if n > breaks_before.get(reason, 0)
+    }
+    if len(graphs) != 1 or breaks:
+        listed = "; ".join(r.strip().splitlines()[0] for r in breaks) or "none recorded"
+        raise AssertionError(
+            f"assert_one_graph: dynamo captured the step as {len(graphs)} graphs, not 1. "
+            f"Graph breaks: {listed}. Run with TORCH_LOGS=graph_breaks to see where."
+        )
+    return graphs[0]
 
 
 # -- memory kept for backward -----------------------------------------------------------------

@@ -7,6 +7,7 @@ from torch import nn
 import ftrain as ft
 from ftrain.testing import (
     assert_no_recompile,
+    assert_one_graph,
     assert_steps_close,
     max_rel_error,
     saved_activation_bytes,
@@ -201,6 +202,44 @@ def test_assert_no_recompile_catches_a_recompile():
     compiled = ft.compile(ft.train_step(loss_fn, opt), backend="eager")
     with pytest.raises(AssertionError, match="call 2 recompiled the step"):
         assert_no_recompile(compiled, state, [torch.randn(B, D) for _ in range(3)])
+
+
+# --- assert_one_graph -------------------------------------------------------------------------
+
+
+def test_assert_one_graph_returns_the_graph_of_the_whole_step():
+    step, state = chain_step(2)
+    before = state.clone()
+    graph = assert_one_graph(step, state, torch.randn(B, D))
+    ops = [n.target for n in graph.graph.nodes if n.op == "call_function"]
+    assert ops.count(torch._C._nn.linear) == 4  # the forward of both blocks (2 Linears each) ...
+    assert torch.autograd.grad in ops  # ... its backward ...
+    assert torch._foreach_add in ops  # ... and the update, params + updates
+    for a, b in zip(ft._tree.leaves(state.params), ft._tree.leaves(before.params)):
+        assert torch.equal(a, b)  # the state passed in is left as it was
+
+
+def test_assert_one_graph_catches_a_graph_break():
+    torch.manual_seed(0)
+    model = Chain(1)
+    opt = ft.optim.sgd(0.1)
+    state = ft.TrainState.create(ft.params_of(model), opt)
+
+    def loss_fn(p, x):
+        loss = ft.apply(model, p, x).pow(2).mean()
+        torch._dynamo.graph_break()  # e.g. a print or .item() in a user's loss
+        return loss
+
+    with pytest.raises(
+        AssertionError, match=r"as [2-9] graphs, not 1\. Graph breaks: .*graph_break\(\)"
+    ):
+        assert_one_graph(ft.train_step(loss_fn, opt), state, torch.randn(B, D))
+
+
+def test_assert_one_graph_needs_the_step_before_compile():
+    step, state = chain_step(1)
+    with pytest.raises(TypeError, match=r"pass the step before ft\.compile"):
+        assert_one_graph(ft.compile(step, backend="eager"), state, torch.randn(B, D))
 
 
 def test_assert_no_recompile_needs_a_compiled_step():

@@ -17,6 +17,7 @@ import ftrain as ft
 from ftrain.models import GPT, GPTConfig
 from ftrain.testing import (
     assert_no_recompile,
+    assert_one_graph,
     assert_steps_close,
     max_rel_error,
     saved_activation_bytes,
@@ -314,6 +315,30 @@ def test_compile_matches_eager_without_recompiles():
         assert max_rel_error(m_compiled["loss"], m["loss"]) < 1e-5
     for key, a in ft._tree.to_flat(final.params).items():
         assert max_rel_error(a, ft._tree.to_flat(s.params)[key]) < 1e-5, key
+
+
+@pytest.mark.parametrize(
+    "transform",
+    [
+        lambda s: s,
+        lambda s: ft.accumulate(s, 2),
+        lambda s: ft.autocast(s, torch.bfloat16),
+        lambda s: ft.autocast(s, torch.float16),
+        lambda s: ft.ema(ft.accumulate(ft.autocast(s, torch.bfloat16), 2)),
+    ],
+    ids=["plain", "accumulate", "bf16", "fp16", "ema+accumulate+bf16"],
+)
+def test_compile_captures_the_whole_step_as_one_graph(transform):
+    """Forward, torch.autograd.grad, the count division, clipping norm and the optimizer update
+    in one dynamo graph: nothing between the phases runs eagerly (before, the step broke at
+    autograd.grad into a forward graph, an eager backward and an update graph)."""
+    _, step, state = setup(n_layer=2)
+    graph = assert_one_graph(transform(step), state, lm_batch(8))
+    targets = {n.target for n in graph.graph.nodes if n.op == "call_function"}
+    assert torch.autograd.grad in targets  # the backward is inside
+    assert targets & {torch._foreach_add, torch._foreach_add_}  # and so is the update (p + u)
+    # the setting that lets dynamo trace autograd.grad is scoped to the compiled call
+    assert torch._dynamo.config.trace_autograd_ops is False
 
 
 @pytest.mark.slow
