@@ -1,4 +1,5 @@
-"""Models for ftrain: a nanoGPT-style GPT (optionally mixture-of-experts), sampling, FLOP counts.
+"""Models for ftrain: a nanoGPT-style GPT (optionally mixture-of-experts), sampling, FLOP counts,
+and ``Linear``, an ``nn.Linear`` whose CPU float32 matmuls run in oneDNN.
 
 Any ``nn.Module`` works with ftrain; these are the ones the ``ftrain`` command and the tests use.
 """
@@ -6,6 +7,7 @@ Any ``nn.Module`` works with ftrain; these are the ones the ``ftrain`` command a
 from ftrain.models.flops import flops_per_token, matmul_params_per_token, num_params
 from ftrain.models.gpt import GPT, MLP, Block, CausalSelfAttention, GPTConfig, MoE
 from ftrain.models.hf import tiny_gpt2
+from ftrain.models.linear import Linear, linear, onednn_linear_available
 from ftrain.models.sample import generate
 
 __all__ = [
@@ -20,4 +22,7 @@ __all__ = [
     "flops_per_token",
     "matmul_params_per_token",
     "tiny_gpt2",
+    "Linear",
+    "linear",
+    "onednn_linear_available",
 ]

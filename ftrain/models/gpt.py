@@ -27,6 +27,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
+from ftrain.models.linear import Linear, linear
+
 
 @dataclass
 class GPTConfig:
@@ -108,8 +110,8 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.n_head = config.n_head
         self.dropout = config.dropout
-        self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=config.bias)
-        self.proj = nn.Linear(config.d_model, config.d_model, bias=config.bias)
+        self.qkv = Linear(config.d_model, 3 * config.d_model, bias=config.bias)
+        self.proj = Linear(config.d_model, config.d_model, bias=config.bias)
         self.resid_drop = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -130,8 +132,8 @@ class MLP(nn.Module):
 
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.fc = nn.Linear(config.d_model, config.ff_dim, bias=config.bias)
-        self.proj = nn.Linear(config.ff_dim, config.d_model, bias=config.bias)
+        self.fc = Linear(config.d_model, config.ff_dim, bias=config.bias)
+        self.proj = Linear(config.ff_dim, config.d_model, bias=config.bias)
         self.drop = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -229,7 +231,7 @@ class MoE(nn.Module):
         super().__init__()
         E, d, h = config.n_experts, config.d_model, config.ff_dim
         self.n_experts, self.top_k = E, config.top_k
-        self.router = nn.Linear(d, E, bias=False)
+        self.router = Linear(d, E, bias=False)
         self.w1 = nn.Parameter(torch.empty(E, d, h))
         self.b1 = nn.Parameter(torch.zeros(E, h)) if config.bias else None
         self.w2 = nn.Parameter(torch.empty(E, h, d))
@@ -345,10 +347,12 @@ class GPT(nn.Module):
 
     Layout: ``wte`` (token embedding), ``wpe`` (learned positions), ``blocks`` (an
     ``nn.ModuleList`` of :class:`Block`; activation checkpointing finds them there), ``ln_f``,
-    then the lm head. With ``tie_weights`` the lm head *is* ``wte.weight`` (``F.linear(x,
+    then the lm head. With ``tie_weights`` the lm head *is* ``wte.weight`` (``linear(x,
     wte.weight)``) and there is no separate ``lm_head`` parameter, so ``named_parameters()`` and
     ``state_dict()`` have the same keys and no tensor is stored twice (safetensors refuses shared
-    tensors). Without tying, ``lm_head`` is an ``nn.Linear(d_model, vocab_size, bias=False)``.
+    tensors). Without tying, ``lm_head`` is a ``Linear(d_model, vocab_size, bias=False)``. Every
+    Linear is :class:`ftrain.models.Linear` (``nn.Linear`` with oneDNN matmuls for float32 on the
+    CPU, see ``ftrain.models.linear``): same parameters and state_dict keys as ``nn.Linear``.
 
     Guarantees: the module has no buffers and ``forward`` writes nothing to ``self``, so it is a
     pure function of (parameters, idx) and, in training mode, the random state used by dropout.
@@ -368,7 +372,7 @@ class GPT(nn.Module):
         if config.tie_weights:
             self.lm_head = None  # the output projection is wte.weight, see forward
         else:
-            self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.d_model, config.vocab_size, bias=False)
         self.reset_parameters()
 
     @torch.no_grad()
@@ -424,7 +428,7 @@ class GPT(nn.Module):
                 balances.append(balance)
         x = self.ln_f(x)
         if self.lm_head is None:
-            logits = F.linear(x, self.wte.weight)  # (B, T, vocab): tied to the token embedding
+            logits = linear(x, self.wte.weight)  # (B, T, vocab): tied to the token embedding
         else:
             logits = self.lm_head(x)  # (B, T, vocab)
         if not return_aux:

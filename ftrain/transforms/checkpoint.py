@@ -25,6 +25,7 @@ from torch.utils.checkpoint import (
     checkpoint as torch_checkpoint,
 )
 
+from ftrain.models.linear import ONEDNN_MATMUL_OPS
 from ftrain.state import module_hooks
 from ftrain.step import Step
 from ftrain.transforms._common import already, check_step
@@ -48,6 +49,7 @@ SAVE_OPS = {
 for _name in ("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_attention_math"):
     if hasattr(_aten, _name):
         SAVE_OPS.add(getattr(_aten, _name).default)
+SAVE_OPS.update(ONEDNN_MATMUL_OPS)  # ftrain.models.Linear's matmuls on the CPU
 
 
 def _selective_policy(ctx, op, *args, **kwargs):

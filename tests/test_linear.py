@@ -1,0 +1,162 @@
+"""ftrain.models.linear: F.linear with its CPU float32 matmuls in oneDNN, checked against F.linear
+(values and every gradient), on both weight-gradient branches, and shown to step aside where
+oneDNN cannot or should not run."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import ftrain as ft
+from ftrain.models import GPT, GPTConfig, Linear, linear, onednn_linear_available
+from ftrain.models.linear import MIN_MACS, MIN_MACS_WEIGHT_GRAD
+from ftrain.testing import assert_steps_close, max_rel_error, saved_activation_bytes
+
+needs_onednn = pytest.mark.skipif(
+    not onednn_linear_available(), reason="no oneDNN linear kernel in this torch build/machine"
+)
+
+
+def took_onednn(y: torch.Tensor) -> bool:
+    return type(y.grad_fn).__name__ == "_OneDNNLinearBackward"
+
+
+def grads_of(fn, x, w, b, dy):
+    inputs = [t for t in (x, w, b) if t is not None]
+    y = fn(x, w, b)
+    return y, torch.autograd.grad(y, inputs, dy)
+
+
+@needs_onednn
+@pytest.mark.parametrize(
+    "x_shape, n_out, bias",
+    [
+        ((2048, 128), 384, False),  # wide out: weight gradient through (x.T, dy.T)
+        ((16, 128, 512), 128, True),  # 3-d input, narrow out: through (dy.T, x.T)
+        ((256, 64), 128, True),  # large enough for the forward, weight gradient in MKL
+    ],
+)
+def test_linear_equals_f_linear_with_every_gradient(x_shape, n_out, bias):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*x_shape, generator=g, requires_grad=True)
+    w = torch.randn(n_out, x_shape[-1], generator=g, requires_grad=True)
+    b = torch.randn(n_out, generator=g, requires_grad=True) if bias else None
+    dy = torch.randn(*x_shape[:-1], n_out, generator=g)
+    y, grads = grads_of(linear, x, w, b, dy)
+    y_ref, grads_ref = grads_of(F.linear, x, w, b, dy)
+    assert took_onednn(y)
+    assert max_rel_error(y, y_ref) < 1e-5
+    for got, want in zip(grads, grads_ref):
+        assert got.shape == want.shape and got.is_contiguous()
+        assert max_rel_error(got, want) < 1e-5
+    rows = x.numel() // x.shape[-1]
+    assert rows * n_out * x.shape[-1] >= MIN_MACS
+    big_weight_grad = rows * n_out * x.shape[-1] >= MIN_MACS_WEIGHT_GRAD
+    assert big_weight_grad == (x_shape != (256, 64))  # the three cases cover both branches
+
+
+@needs_onednn
+def test_linear_keeps_f_linear_where_onednn_does_not_apply():
+    x, w = torch.randn(2048, 128, requires_grad=True), torch.randn(384, 128, requires_grad=True)
+    assert took_onednn(linear(x, w))
+    assert not took_onednn(linear(x[:4], w))  # too small to pay for the call
+    assert not took_onednn(linear(x.double(), w.double()))  # float32 only
+    assert not took_onednn(linear(x.bfloat16(), w.bfloat16()))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast's own bf16 matmul
+        y = linear(x, w)
+    assert y.dtype == torch.bfloat16 and not took_onednn(y)
+    with torch.backends.mkldnn.flags(enabled=False):  # PyTorch's switch for oneDNN
+        assert not took_onednn(linear(x, w))
+    # under torch.func transforms the tensors are wrappers: F.linear, same values
+    per_row = torch.func.vmap(lambda r: linear(r, w))(x.detach())
+    assert max_rel_error(per_row, F.linear(x, w).detach()) < 1e-6
+
+
+def test_linear_is_a_drop_in_nn_linear():
+    torch.manual_seed(0)
+    ref = nn.Linear(128, 384)
+    mine = Linear(128, 384)
+    assert isinstance(mine, nn.Linear)
+    assert mine.state_dict().keys() == ref.state_dict().keys()
+    mine.load_state_dict(ref.state_dict())
+    x = torch.randn(16, 128, 128)
+    assert max_rel_error(mine(x), ref(x)) < 1e-6
+
+
+def test_second_derivative_through_onednn_is_refused():
+    x, w = torch.randn(2048, 128, requires_grad=True), torch.randn(384, 128, requires_grad=True)
+    y = linear(x, w)
+    if not took_onednn(y):
+        pytest.skip("F.linear path: second derivatives work there")
+    (gx,) = torch.autograd.grad(y.pow(2).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice a function that was marked"):
+        gx.sum().backward()
+
+
+# --- in a training step ---------------------------------------------------------------------------
+
+CFG = dict(vocab_size=64, seq_len=64, d_model=64, n_layer=2, n_head=1, dropout=0.0, bias=False)
+
+
+def gpt_step():
+    """512 tokens of d 64: qkv, fc, proj and the lm head are large enough for oneDNN."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**CFG))
+    opt = ft.optim.sgd(0.5, momentum=0.9)
+
+    def loss_fn(params, batch):
+        logits = ft.apply(model, params, batch["input"])
+        return ft.losses.cross_entropy(logits, batch["target"])
+
+    state = ft.TrainState.create(ft.params_of(model), opt)
+    tok = torch.randint(0, 64, (8, 65), generator=torch.Generator().manual_seed(1))
+    assert took_onednn(model.blocks[0].attn.qkv(torch.randn(8, 64, 64)))
+    return ft.train_step(loss_fn, opt), state, {"input": tok[:, :-1], "target": tok[:, 1:]}
+
+
+def mkl_only(step):
+    """The step with oneDNN switched off: F.linear everywhere, the reference."""
+
+    def run(state, batch):
+        with torch.backends.mkldnn.flags(enabled=False):
+            return step(state, batch)
+
+    return run
+
+
+@needs_onednn
+def test_gpt_step_with_onednn_matches_the_mkl_step():
+    """Three steps with oneDNN matmuls agree with the same steps through F.linear to float32
+    rounding. (SGD: Adam would turn the rounding noise of gradients that are near zero into
+    full-size updates of either sign.)"""
+    step, state, batch = gpt_step()
+    assert_steps_close(step, mkl_only(step), state, batch, steps=3, rtol=1e-5, atol=1e-7)
+
+
+@needs_onednn
+def test_selective_checkpoint_saves_the_onednn_matmuls():
+    """'selective' keeps matmul outputs for backward: the oneDNN ones too, so it saves as many
+    bytes as over F.linear's mm (were they not in SAVE_OPS, it would save about what 'blocks'
+    saves and recompute every matmul)."""
+    step, state, batch = gpt_step()
+    selective = ft.checkpoint(step, "selective")
+    on = saved_activation_bytes(selective, state, batch)
+    with torch.backends.mkldnn.flags(enabled=False):
+        off = saved_activation_bytes(selective, state, batch)
+    blocks = saved_activation_bytes(ft.checkpoint(step, "blocks"), state, batch)
+    assert on == off and on > 2 * blocks
+
+
+@needs_onednn
+@pytest.mark.slow
+def test_compiled_step_calls_the_onednn_op():
+    """Under torch.compile the oneDNN matmuls are the ftrain::onednn_linear custom op (inductor's
+    lowering of the oneDNN kernel takes only frozen weights); the compiled step equals eager."""
+    torch._dynamo.reset()
+    step, state, batch = gpt_step()
+    compiled = ft.compile(step, backend="aot_eager")
+    assert_steps_close(compiled, step, state, batch, steps=2, rtol=1e-5, atol=1e-7)
+    graph = ft.testing.assert_one_graph(step, state, batch)  # a custom op breaks no graph
+    op = torch.ops.ftrain.onednn_linear.default
+    calls = [n for m in graph.modules() for n in m.graph.nodes if n.target is op]
+    assert len(calls) >= 4  # in the autograd.Function's forward and backward subgraphs
