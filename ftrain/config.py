@@ -45,7 +45,10 @@ class TrainConfig:
     seq_len: int = _f(128, "context length in bytes")
     d_model: int = _f(128, "width of the residual stream")
     n_layer: int = _f(4, "transformer blocks")
-    n_head: int = _f(4, "attention heads (d_model must divide by it)")
+    # 2 heads of 64 channels and no biases: as good a model as 4 heads of 32 with biases, and a
+    # faster step on a CPU (larger attention matmuls; no bias adds and bias gradients).
+    n_head: int = _f(2, "attention heads (d_model must divide by it; head size d_model / n_head)")
+    bias: bool = _f(False, "biases in the Linear and LayerNorm layers")
     dropout: float = _f(0.0, "dropout probability")
     n_experts: int = _f(0, "mixture-of-experts feed-forward with this many experts (0 = dense)")
     top_k: int = _f(1, "experts per token when n_experts > 0")

@@ -100,6 +100,7 @@ def build_model(cfg: TrainConfig) -> GPT:
             d_model=cfg.d_model,
             n_layer=cfg.n_layer,
             n_head=cfg.n_head,
+            bias=cfg.bias,
             dropout=cfg.dropout,
             n_experts=cfg.n_experts,
             top_k=cfg.top_k,
@@ -343,7 +344,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         else:
             meta = ft.load_meta(latest)
             _check_world_size(meta, world)
-            _check_resumed_config(cfg, meta["extra"].get("config", {}), main)
+            _check_resumed_config(cfg, _saved_config(meta), main)
             state = ft.load(latest, like=state)  # whole tensors: sharded below
             extra = meta["extra"]
             loader.load_state_dict(extra.get("loaders", [extra["loader"]])[rank])
@@ -488,9 +489,18 @@ def _check_world_size(meta: dict, world: int) -> None:
 
 # Settings that fix the model, the data or the random stream: a run cannot continue exactly
 # with another value. The others (lr, max_steps, logging, ...) may change on --resume.
-RESUME_FIXED = ("seed", "seq_len", "d_model", "n_layer", "n_head", "n_experts", "top_k",
+RESUME_FIXED = ("seed", "seq_len", "d_model", "n_layer", "n_head", "bias", "n_experts", "top_k",
                 "batch_size", "data_dir")  # fmt: skip
 _NOT_COMPARED = ("out", "resume", "config", "progress")
+# Settings added after checkpoints were first written, with the value those runs had.
+_BEFORE_ADDED = {"bias": True}
+
+
+def _saved_config(meta: dict[str, Any]) -> dict[str, Any]:
+    """The run settings saved in a checkpoint's ``meta``; a setting that did not exist when it was
+    written gets the value runs had then (``bias``: True), not today's default."""
+    saved = meta["extra"].get("config", {})
+    return {**_BEFORE_ADDED, **saved} if saved else {}
 
 
 def _check_resumed_config(cfg: TrainConfig, saved: dict[str, Any], main: bool) -> None:
@@ -563,7 +573,7 @@ def sample(
     if latest is None:
         raise SystemExit(f"ftrain sample: no checkpoint in {run}")
     meta = ft.load_meta(latest)
-    cfg = TrainConfig(**{k: v for k, v in meta["extra"]["config"].items() if k != "config"})
+    cfg = TrainConfig(**{k: v for k, v in _saved_config(meta).items() if k != "config"})
     model = build_model(cfg)
     state = ft.load(latest)
     return sample_text(

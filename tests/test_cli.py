@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import ftrain as ft
+from ftrain.checkpoint_io import _meta_checksum
 from ftrain.cli import main
 
 TINY = [
@@ -85,6 +86,30 @@ def test_resume_refuses_changed_model_and_notes_other_changes(tmp_path, data_dir
     err = capsys.readouterr().err
     assert "note: --resume with changed settings" in err
     assert "--lr 0.003 -> 0.001" in err and "--max-steps 2 -> 3" in err
+
+
+def test_bias_flag_and_runs_saved_before_it(tmp_path, data_dir, capsys):
+    """--bias gives the Linears and LayerNorms biases (off by default). A checkpoint written before
+    the flag existed (no `bias` in its saved config) was trained with biases: `sample` rebuilds
+    that model, and --resume without --bias is refused as a changed model, naming the fix."""
+    off, on = tmp_path / "off", tmp_path / "on"
+    common = [*TINY, "--data-dir", data_dir, "--max-steps", "1"]
+    assert main(["train", *common, "--out", str(off)]) == 0
+    assert main(["train", *common, "--out", str(on), "--bias"]) == 0
+    assert not [k for k in _flat(off).keys() if k.endswith("bias")]
+    assert "params.blocks.0.attn.qkv.bias" in _flat(on).keys()
+
+    meta_path = ft.latest_checkpoint(on) / "meta.json"  # as an older ftrain wrote it
+    meta = json.loads(meta_path.read_text())
+    del meta["extra"]["config"]["bias"]
+    meta["meta_sha256"] = _meta_checksum(meta)
+    meta_path.write_text(json.dumps(meta))
+    capsys.readouterr()
+    assert main(["sample", "--run", str(on), "--prompt", "def ", "--max-new-tokens", "5"]) == 0
+    with pytest.raises(SystemExit) as e:
+        main(["train", *common, "--max-steps", "2", "--out", str(on), "--resume"])
+    assert e.value.code == 2 and "--bias True -> False" in capsys.readouterr().err
+    assert main(["train", *common, "--max-steps", "2", "--out", str(on), "--resume", "--bias"]) == 0
 
 
 def test_sample_with_an_empty_prompt_is_unconditional(tmp_path, data_dir, capsys):
