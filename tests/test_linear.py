@@ -12,6 +12,9 @@ from ftrain.models import GPT, GPTConfig, Linear, linear, onednn_linear_availabl
 from ftrain.models.linear import MIN_MACS, MIN_MACS_WEIGHT_GRAD
 from ftrain.testing import assert_steps_close, max_rel_error, saved_activation_bytes
 
+# torch.backends.mkldnn.flags() also sets oneDNN's TF32 switch, which warns on a CPU-only build
+pytestmark = pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")
+
 needs_onednn = pytest.mark.skipif(
     not onednn_linear_available(), reason="no oneDNN linear kernel in this torch build/machine"
 )
@@ -131,6 +134,16 @@ def test_gpt_step_with_onednn_matches_the_mkl_step():
     full-size updates of either sign.)"""
     step, state, batch = gpt_step()
     assert_steps_close(step, mkl_only(step), state, batch, steps=3, rtol=1e-5, atol=1e-7)
+
+
+@needs_onednn
+def test_onednn_step_is_deterministic():
+    """The same state and batch give bitwise the same new state (what --resume relies on)."""
+    step, state, batch = gpt_step()
+    a, _ = step(state, batch)
+    b, _ = step(state, batch)
+    for x, y in zip(ft._tree.leaves(a.params), ft._tree.leaves(b.params)):
+        assert torch.equal(x, y)
 
 
 @needs_onednn
