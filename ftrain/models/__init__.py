@@ -7,7 +7,7 @@ Any ``nn.Module`` works with ftrain; these are the ones the ``ftrain`` command a
 from ftrain.models.flops import flops_per_token, matmul_params_per_token, num_params
 from ftrain.models.gpt import GPT, MLP, Block, CausalSelfAttention, GPTConfig, MoE
 from ftrain.models.hf import tiny_gpt2
-from ftrain.models.linear import Linear, linear, onednn_linear_available
+from ftrain.models.onednn import Linear, linear, onednn_linear_available
 from ftrain.models.sample import generate
 
 __all__ = [

@@ -27,7 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
-from ftrain.models.linear import Linear, linear
+from ftrain.models.onednn import Linear, linear
 
 
 @dataclass
@@ -352,7 +352,7 @@ class GPT(nn.Module):
     ``state_dict()`` have the same keys and no tensor is stored twice (safetensors refuses shared
     tensors). Without tying, ``lm_head`` is a ``Linear(d_model, vocab_size, bias=False)``. Every
     Linear is :class:`ftrain.models.Linear` (``nn.Linear`` with oneDNN matmuls for float32 on the
-    CPU, see ``ftrain.models.linear``): same parameters and state_dict keys as ``nn.Linear``.
+    CPU, see ``ftrain.models.onednn``): same parameters and state_dict keys as ``nn.Linear``.
 
     Guarantees: the module has no buffers and ``forward`` writes nothing to ``self``, so it is a
     pure function of (parameters, idx) and, in training mode, the random state used by dropout.

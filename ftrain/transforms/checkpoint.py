@@ -25,7 +25,7 @@ from torch.utils.checkpoint import (
     checkpoint as torch_checkpoint,
 )
 
-from ftrain.models.linear import ONEDNN_MATMUL_OPS
+from ftrain.models.onednn import ONEDNN_MATMUL_OPS
 from ftrain.state import module_hooks
 from ftrain.step import Step
 from ftrain.transforms._common import already, check_step

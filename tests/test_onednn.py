@@ -1,4 +1,4 @@
-"""ftrain.models.linear: F.linear with its CPU float32 matmuls in oneDNN, checked against F.linear
+"""ftrain.models.onednn: F.linear with its CPU float32 matmuls in oneDNN, checked against F.linear
 (values and every gradient), on both weight-gradient branches, and shown to step aside where
 oneDNN cannot or should not run."""
 
@@ -9,7 +9,7 @@ from torch import nn
 
 import ftrain as ft
 from ftrain.models import GPT, GPTConfig, Linear, linear, onednn_linear_available
-from ftrain.models.linear import MIN_MACS, MIN_MACS_WEIGHT_GRAD
+from ftrain.models.onednn import MIN_MACS, MIN_MACS_WEIGHT_GRAD
 from ftrain.testing import assert_steps_close, max_rel_error, saved_activation_bytes
 
 # torch.backends.mkldnn.flags() also sets oneDNN's TF32 switch, which warns on a CPU-only build
@@ -173,3 +173,21 @@ def test_compiled_step_calls_the_onednn_op():
     op = torch.ops.ftrain.onednn_linear.default
     calls = [n for m in graph.modules() for n in m.graph.nodes if n.target is op]
     assert len(calls) >= 4  # in the autograd.Function's forward and backward subgraphs
+
+
+def test_docstring_examples_of_the_models_run():
+    import doctest
+
+    import ftrain.models.flops
+    import ftrain.models.gpt
+    import ftrain.models.onednn
+    import ftrain.models.sample
+
+    for module in (
+        ftrain.models.gpt,
+        ftrain.models.flops,
+        ftrain.models.sample,
+        ftrain.models.onednn,
+    ):
+        result = doctest.testmod(module)
+        assert result.attempted > 0 and result.failed == 0, module.__name__

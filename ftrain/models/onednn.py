@@ -110,7 +110,7 @@ class _OneDNNLinear(torch.autograd.Function):
             x2 = x.reshape(-1, n_in)  # (N, in)
             if dy2.shape[0] * n_out * n_in < MIN_MACS_WEIGHT_GRAD:
                 dw = dy2.t() @ x2
-            elif n_out >= n_in:  # oneDNN is faster with the narrower operand second
+            elif n_out >= n_in:  # the kernel copies its first operand to contiguous: the narrower
                 dw = _mm(x2.t(), dy2.t()).t().contiguous()  # (in, out) -> (out, in)
             else:
                 dw = _mm(dy2.t(), x2.t())  # (out, in) = dy.T @ x
