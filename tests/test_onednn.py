@@ -147,6 +147,13 @@ def test_onednn_step_is_deterministic():
 
 
 @needs_onednn
+@pytest.mark.parametrize("policy", ["blocks", "selective"])
+def test_checkpoint_recomputes_the_onednn_matmuls_exactly(policy):
+    step, state, batch = gpt_step()
+    assert_steps_close(ft.checkpoint(step, policy), step, state, batch, steps=2, rtol=1e-6)
+
+
+@needs_onednn
 def test_selective_checkpoint_saves_the_onednn_matmuls():
     """'selective' keeps matmul outputs for backward: the oneDNN ones too, so it saves as many
     bytes as over F.linear's mm (were they not in SAVE_OPS, it would save about what 'blocks'
