@@ -216,7 +216,7 @@ def report(wall: dict, cpu: dict, nbytes: dict, setup: str) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a smoke run; RESULTS.md is not written")
-    ap.add_argument("--rounds", type=int, default=15, help="interleaved rounds (default 15)")
+    ap.add_argument("--rounds", type=int, default=31, help="interleaved rounds (default 31)")
     ap.add_argument(
         "--threads", type=int, default=1, help="torch threads (default 1: see the module docstring)"
     )
