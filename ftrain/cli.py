@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = p.parse_args(argv)
     if ns.command == "train":
         sub = p._subparsers._group_actions[0].choices["train"]  # for error messages
-        from ftrain.train import check_out, train
+        from ftrain.train import check_out, keep_freed_memory, train
 
         try:
             cfg = from_args(ns)
@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             sub.error(str(e))
 
+        keep_freed_memory()  # this process trains: no page faults on every step's activations
         try:
             summary = train(cfg)
         except CheckpointError as e:  # a damaged checkpoint: its message says which and why
