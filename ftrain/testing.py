@@ -233,11 +233,7 @@ def assert_one_graph(step: Step, state: TrainState, batch: Any) -> torch.fx.Grap
     # the entries dynamo allows per function, which would make it run the step eagerly.
     with dynamo_config.patch(recompile_limit=1 << 20, accumulated_recompile_limit=1 << 20):
         ft_compile(step, backend=record)(state.clone(), batch)
-    breaks = {
-        reason: n - breaks_before.get(reason, 0)
-        for reason, n in counters["graph_break"].items()
-        if n > breaks_before.get(reason, 0)
-    }
+    breaks = [r for r, n in counters["graph_break"].items() if n > breaks_before.get(r, 0)]
     if len(graphs) != 1 or breaks:
         listed = "; ".join(r.strip().splitlines()[0] for r in breaks) or "none recorded"
         raise AssertionError(

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import ctypes
 import inspect
 import json
 import math
 import os
+import platform
 import signal
 import sys
 import time
@@ -58,9 +60,6 @@ def keep_freed_memory() -> bool:
     wide, so ``ftrain train`` calls it for its own process and a library import never does.
     Returns whether it took effect (only with glibc; elsewhere it does nothing).
     """
-    import ctypes
-    import platform
-
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     try:

@@ -303,16 +303,17 @@ def test_ctrl_c_saves_and_exits_cleanly(tmp_path, data_dir):
     reason="mallopt is glibc's",
 )
 def test_keep_freed_memory_stops_page_faults_in_the_training_loop():
-    """Page faults per step of a small GPT step, in a fresh process: with glibc's defaults the
-    step's activations keep coming back as fresh pages (hundreds of faults a step); after
-    keep_freed_memory(), which `ftrain train` calls, the heap keeps them and the faults stop."""
+    """Page faults per step of a small GPT step after keep_freed_memory() (what `ftrain train`
+    calls), in a fresh process: the heap keeps the step's activations, so after the first steps
+    they are not faulted in again (a few dozen faults a step at most). With glibc's defaults the
+    same loop usually takes hundreds a step (667 measured here), but how many depends on glibc's
+    adaptive thresholds (sometimes none), so that side is not asserted."""
     script = """
-import resource, sys, torch
+import resource, torch
 import ftrain as ft
 from ftrain.models import GPT, GPTConfig
 from ftrain.train import keep_freed_memory
-if sys.argv[1] == "keep":
-    assert keep_freed_memory()
+assert keep_freed_memory()
 torch.manual_seed(0)
 model = GPT(GPTConfig(vocab_size=257, seq_len=128, d_model=64, n_layer=2, n_head=2, bias=False))
 opt = ft.optim.adamw(1e-3)
@@ -327,8 +328,5 @@ for _ in range(10):
     state, _ = step(state, batch)
 print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) // 10)
 """
-    per_step = {
-        mode: int(subprocess.check_output([sys.executable, "-c", script, mode], text=True))
-        for mode in ("default", "keep")
-    }
-    assert per_step["keep"] * 5 < per_step["default"], per_step
+    per_step = int(subprocess.check_output([sys.executable, "-c", script], text=True))
+    assert per_step < 100

@@ -73,6 +73,9 @@ def test_linear_keeps_f_linear_where_onednn_does_not_apply():
     # under torch.func transforms the tensors are wrappers: F.linear, same values
     per_row = torch.func.vmap(lambda r: linear(r, w))(x.detach())
     assert max_rel_error(per_row, F.linear(x, w).detach()) < 1e-6
+    ensemble = torch.randn(3, 384, 128)  # vmap over the weights: a model ensemble
+    outs = torch.func.vmap(lambda wi: linear(x.detach(), wi))(ensemble)
+    assert max_rel_error(outs, torch.einsum("nk,eok->eno", x.detach(), ensemble)) < 1e-5
 
 
 def test_linear_is_a_drop_in_nn_linear():

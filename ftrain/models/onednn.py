@@ -135,16 +135,17 @@ def _use_onednn(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> boo
         and x.dim() >= 1
         and x.numel() // max(x.shape[-1], 1) * w.shape[0] * w.shape[1] >= MIN_MACS
         and not torch.is_autocast_enabled("cpu")
-        and not _functorch_wrapped(x)
+        and not _functorch_wrapped(x, w, b)
     )
 
 
-def _functorch_wrapped(x: torch.Tensor) -> bool:
-    """Under torch.func transforms (vmap, grad) tensors are wrappers the oneDNN kernel cannot
-    take; those calls keep F.linear."""
+def _functorch_wrapped(*tensors: torch.Tensor | None) -> bool:
+    """Under torch.func transforms (vmap over the inputs or over the weights, grad) tensors are
+    wrappers the oneDNN kernel cannot take; those calls keep F.linear."""
     if torch.compiler.is_compiling():
         return False
-    return torch._C._functorch.is_functorch_wrapped_tensor(x)
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    return any(t is not None and wrapped(t) for t in tensors)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
