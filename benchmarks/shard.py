@@ -170,7 +170,7 @@ def _shard_bytes(params, rank) -> int:
     """Bytes of this rank's Shard(0) rows of tensors shaped like ``params``."""
     world = dist.get_world_size()
     total = 0
-    for t in ft._tree.leaves(params):
+    for t in ft.tree.leaves(params):
         if hasattr(t, "to_local"):
             t = t.to_local()
             total += t.numel() * t.element_size()

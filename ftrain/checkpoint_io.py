@@ -58,8 +58,8 @@ import tensordict
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from ftrain._tree import SEP
 from ftrain.state import TrainState
+from ftrain.tree import SEP
 
 __all__ = [
     "CheckpointError",

@@ -17,7 +17,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase, tensorclass
 from torch import nn
 
-from ftrain import _tree
+from ftrain import tree
 
 __all__ = ["params_of", "buffers_of", "apply", "state_dict_of", "TrainState", "module_hooks"]
 
@@ -31,20 +31,20 @@ def params_of(module: nn.Module) -> TensorDict:
     changes the module, and changing the module never changes it.
     """
     _check_module(module, "params_of")
-    return _tree.from_flat({k: v.detach().clone() for k, v in module.named_parameters()})
+    return tree.from_flat({k: v.detach().clone() for k, v in module.named_parameters()})
 
 
 def buffers_of(module: nn.Module) -> TensorDict:
     """A detached copy of ``module``'s buffers (running statistics, masks) as a nested TensorDict."""
     _check_module(module, "buffers_of")
-    return _tree.from_flat({k: v.detach().clone() for k, v in module.named_buffers()})
+    return tree.from_flat({k: v.detach().clone() for k, v in module.named_buffers()})
 
 
 def state_dict_of(params: TensorDictBase) -> dict[str, torch.Tensor]:
     """``{"blocks.0.attn.qkv.weight": tensor, ...}``: params as a flat dict with the module's own
     names, ready for ``module.load_state_dict(..., strict=False)`` (strict=False because tied
     duplicates appear once). The tensors are shared, not copied."""
-    return _tree.to_flat(params)
+    return tree.to_flat(params)
 
 
 def _check_module(module: object, fn: str) -> None:
@@ -98,7 +98,7 @@ def apply(module: nn.Module, params: TensorDictBase, *args, buffers=None, **kwar
     if torch.compiler.is_compiling():
         return _apply_traced(module, params, buffers, args, kwargs)
     plan = _plan_of(module)
-    values, tdef = _tree.flatten(params)
+    values, tdef = tree.flatten(params)
     if tdef is not plan.tdef:  # params of a new key layout: check the keys, then place them
         _check_keys(module, tdef.paths, plan.shapes)
         index = {path: i for i, path in enumerate(tdef.paths)}
@@ -143,12 +143,12 @@ def _apply_traced(module, params, buffers, args, kwargs):
     Dynamo traces this once per compile, so its cost does not matter; the plan cache stays out of
     it, because dynamo would guard on the cache and recompile the step when a call changed it.
     """
-    flat = _tree.to_flat(params)
+    flat = tree.to_flat(params)
     shapes = {name: p.shape for name, p in module.named_parameters()}
     _check_keys(module, tuple(flat), shapes)
     _check_shapes(tuple(flat), list(flat.values()), shapes)
     if buffers is not None:
-        given = _tree.to_flat(buffers)
+        given = tree.to_flat(buffers)
         _check_buffer_keys(module, given, dict(module.named_buffers(remove_duplicate=False)))
         flat.update(given)
     with contextlib.ExitStack() as stack:
@@ -263,7 +263,7 @@ class _Plan:
 
     def buffer_places(self, module: nn.Module, buffers: TensorDictBase):
         """``(slots, tensors)`` for the given buffers: each at every place its buffer lives."""
-        given = _tree.to_flat(buffers)
+        given = tree.to_flat(buffers)
         _check_buffer_keys(module, given, self.buffer_slots)
         slots, tensors, given_as = [], [], {}
         for name, t in given.items():

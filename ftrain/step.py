@@ -27,7 +27,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from tensordict import TensorDict
 
-from ftrain import _tree
+from ftrain import tree
 from ftrain.losses import Loss, as_loss
 from ftrain.optim.base import GradientTransformation, LeafContext, all_finite, leaf_update
 from ftrain.optim.transforms import global_norm
@@ -196,9 +196,9 @@ class Step:
         gradients during backward (``fsdp``) cannot take local weights afterwards, so there the
         second case falls back to the sum (fp16 under fsdp defers its reduction instead).
         """
-        values, tree = _tree.flatten(params)
+        values, tdef = tree.flatten(params)
         leaves = [p.detach().requires_grad_(True) for p in values]
-        p_in = tree.unflatten(leaves)
+        p_in = tdef.unflatten(leaves)
         micro = split_batch(batch, self.micro_batches)
         weights_ok = self.reducer is None or _reduces_after(self)
         grads: list[torch.Tensor] | None = None
@@ -247,23 +247,23 @@ class Step:
         optimizer state. With ``finite`` (a 0-d bool tensor), a non-finite step changes nothing.
 
         ``grads`` belong to the step: the optimizer may overwrite them (no copy is made)."""
-        params, tree, opt_state, sdef = self._update_leaves(state, grads, finite)
-        return self._trees(state, params, tree, opt_state, sdef)
+        params, tdef, opt_state, sdef = self._update_leaves(state, grads, finite)
+        return self._trees(state, params, tdef, opt_state, sdef)
 
-    def _trees(self, state, params, tree, opt_state, sdef) -> tuple[TensorDict, TensorDict]:
+    def _trees(self, state, params, tdef, opt_state, sdef) -> tuple[TensorDict, TensorDict]:
         # Donated: most tensors are the input's own, so keep the containers that hold only them.
         if self.donate:
-            return tree.rebuild(params, state.params), sdef.rebuild(opt_state, state.opt_state)
-        return tree.unflatten(params), sdef.unflatten(opt_state)
+            return tdef.rebuild(params, state.params), sdef.rebuild(opt_state, state.opt_state)
+        return tdef.unflatten(params), sdef.unflatten(opt_state)
 
     def _update_leaves(
         self, state: TrainState, grads: list[torch.Tensor], finite: torch.Tensor | None
-    ) -> tuple[list[torch.Tensor], _tree.TreeDef, list[torch.Tensor], _tree.TreeDef]:
+    ) -> tuple[list[torch.Tensor], tree.TreeDef, list[torch.Tensor], tree.TreeDef]:
         # The optimizer runs on leaf lists; TensorDicts are built once, by the caller.
-        p, tree = _tree.flatten(state.params)
-        s, sdef = _tree.flatten(state.opt_state)
+        p, tdef = tree.flatten(state.params)
+        s, sdef = tree.flatten(state.opt_state)
         inplace = self.donate and finite is None
-        ctx = LeafContext(tree, sdef, inplace, True)
+        ctx = LeafContext(tdef, sdef, inplace, True)
         u, new_s = leaf_update(self.optimizer)(grads, s, p, ctx)
         if finite is not None:
             u = [torch.where(finite, x, torch.zeros_like(x)) for x in u]
@@ -273,7 +273,7 @@ class Step:
             new_p = p
         else:
             new_p = list(torch._foreach_add(p, u))
-        return new_p, tree, new_s, sdef
+        return new_p, tdef, new_s, sdef
 
     def core(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
         """Phases 1-4 without the RNG seeding, step contexts or wrappers (what ``compile``
@@ -298,12 +298,12 @@ class Step:
         grad_norm = _whole(global_norm(grads))
 
         finite = _whole(all_finite(grads)) if scaler is not None else None
-        p, tree, s, sdef = self._update_leaves(state, grads, finite)  # phase 4 (see update)
+        p, tdef, s, sdef = self._update_leaves(state, grads, finite)  # phase 4 (see update)
         extra = state.extra
         if scaler is not None:
             extra = extra.clone(recurse=False)
             extra["loss_scale"] = scaler.update(state.extra["loss_scale"], finite)
-        params, opt_state = self._trees(state, p, tree, s, sdef)
+        params, opt_state = self._trees(state, p, tdef, s, sdef)
         new_state = _new_state(
             params=params,
             opt_state=opt_state,
@@ -338,7 +338,7 @@ class Step:
             )
         self._check_batch(batch)
         state = self.init_extra(state)
-        device = _tree.first_leaf(state.params).device
+        device = tree.first_leaf(state.params).device
         with contextlib.ExitStack() as stack:
             stack.enter_context(_seeded(state, device))
             for ctx in self.step_contexts:
@@ -355,7 +355,7 @@ class Step:
                 )
 
 
-_LR_INDEX: dict[_tree.TreeDef, int | None] = {}
+_LR_INDEX: dict[tree.TreeDef, int | None] = {}
 
 
 def _within(factories: tuple[ContextFactory, ...], arg: Any, fn: Callable[[], Any]) -> Any:
@@ -397,7 +397,7 @@ def _nonzero(count: torch.Tensor) -> torch.Tensor:
     return torch.where(count != 0, count, torch.ones_like(count))
 
 
-def _find_lr(opt_state: list[torch.Tensor], sdef: _tree.TreeDef) -> torch.Tensor:
+def _find_lr(opt_state: list[torch.Tensor], sdef: tree.TreeDef) -> torch.Tensor:
     """The ``lr`` leaf the optimizer recorded (from ``scale_by_learning_rate``), or NaN.
 
     ``opt_state`` is the state's leaf list and ``sdef`` its structure; the position of the leaf is

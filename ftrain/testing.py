@@ -30,7 +30,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ftrain import _tree
+from ftrain import tree
 from ftrain.distributed import DistributedError, run_distributed
 from ftrain.state import TrainState
 from ftrain.step import Step, split_batch
@@ -75,7 +75,7 @@ def _error_and_scale(actual: torch.Tensor, expected: torch.Tensor) -> tuple[floa
 
 
 def _leaves_by_key(td: TensorDictBase, prefix: str) -> dict[str, torch.Tensor]:
-    return {f"{prefix}.{k}": v for k, v in _tree.to_flat(td).items()}
+    return {f"{prefix}.{k}": v for k, v in tree.to_flat(td).items()}
 
 
 def _compared(state: TrainState, metrics: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -332,11 +332,11 @@ def saved_activation_bytes(step: Step, state: TrainState, batch: Any) -> int:
         )
     state = step.init_extra(state)
     micro = split_batch(batch, step.micro_batches)[0]
-    device = _tree.leaves(state.params)[0].device
+    device = tree.leaves(state.params)[0].device
 
     def forward():
-        leaves = [p.detach().requires_grad_(True) for p in _tree.leaves(state.params)]
-        return step.forward(_tree.unflatten(state.params, leaves), micro)
+        leaves = [p.detach().requires_grad_(True) for p in tree.leaves(state.params)]
+        return step.forward(tree.unflatten(state.params, leaves), micro)
 
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), contextlib.ExitStack() as stack:

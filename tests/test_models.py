@@ -464,5 +464,5 @@ def test_moe_step_compiles_without_graph_breaks_or_recompiles():
     for batch, m_compiled in zip(batches, history):
         s, m = eager(s, batch)
         torch.testing.assert_close(m_compiled["loss"], m["loss"], rtol=1e-5, atol=1e-5)
-    for a, b in zip(ft._tree.leaves(final.params), ft._tree.leaves(s.params)):
+    for a, b in zip(ft.tree.leaves(final.params), ft.tree.leaves(s.params)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

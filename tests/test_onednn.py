@@ -145,7 +145,7 @@ def test_onednn_step_is_deterministic():
     step, state, batch = gpt_step()
     a, _ = step(state, batch)
     b, _ = step(state, batch)
-    for x, y in zip(ft._tree.leaves(a.params), ft._tree.leaves(b.params)):
+    for x, y in zip(ft.tree.leaves(a.params), ft.tree.leaves(b.params)):
         assert torch.equal(x, y)
 
 

@@ -98,8 +98,8 @@ def grads_of(model, batch) -> tuple[dict, dict]:
     )
 
 
-def td(d: dict) -> ft._tree.TensorDict:
-    return ft._tree.from_flat(dict(d))
+def td(d: dict) -> ft.tree.TensorDict:
+    return ft.tree.from_flat(dict(d))
 
 
 # --- SGD: trajectory within 1e-6 ---------------------------------------------------------------
@@ -133,7 +133,7 @@ ADAM_CASES = [
 ]
 
 
-def _adam_state(opt, params: dict, torch_opt, torch_params: dict) -> ft._tree.TensorDict:
+def _adam_state(opt, params: dict, torch_opt, torch_params: dict) -> ft.tree.TensorDict:
     """An ftrain adam/adamw state holding torch's moments and step count."""
     state = opt.init(td(params))
     by_param = {id(p): name for name, p in torch_params.items()}
@@ -332,11 +332,11 @@ def test_a_transform_written_against_the_public_api_composes():
 
     def my_trace(decay):
         def init(params):
-            return ft._tree.TensorDict({"m": params.apply(torch.zeros_like)}, batch_size=[])
+            return ft.tree.TensorDict({"m": params.apply(torch.zeros_like)}, batch_size=[])
 
         def update(updates, state, params=None):
             m = state["m"].apply(lambda x: x * decay) + updates  # returned twice, on purpose
-            return m, ft._tree.TensorDict({"m": m}, batch_size=[])
+            return m, ft.tree.TensorDict({"m": m}, batch_size=[])
 
         return optim.GradientTransformation(init, update)
 
@@ -542,8 +542,8 @@ def test_updates_trace_without_graph_breaks(make):
     params, grads = _params_and_grads()
     opt = make()
     state = opt.init(params)  # eager, as TrainState.create does: masks resolve here
-    p, tree = ft._tree.flatten(params)
-    s, sdef = ft._tree.flatten(state)
+    p, tree = ft.tree.flatten(params)
+    s, sdef = ft.tree.flatten(state)
     fn = leaf_update(opt)
 
     def update(g, s, p):

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import ftrain as ft
-from ftrain import _tree
+from ftrain import tree
 from ftrain.distributed import DistributedError, run_distributed
 from ftrain.models import GPT, GPTConfig
 from ftrain.testing import max_rel_error
@@ -120,16 +120,16 @@ def run(step, state, data, rank=None):
 
 def whole(state):
     return {
-        "params": _tree.to_flat(state.params),
-        "opt_state": _tree.to_flat(state.opt_state),
+        "params": tree.to_flat(state.params),
+        "opt_state": tree.to_flat(state.opt_state),
     }
 
 
-def layouts(tree) -> set[str]:
-    """How the tensors of ``tree`` with one or more dims are laid out: "plain" or placements."""
+def layouts(td) -> set[str]:
+    """How the tensors of ``td`` with one or more dims are laid out: "plain" or placements."""
     return {
         repr(tuple(t.placements)) if hasattr(t, "placements") else "plain"
-        for t in _tree.leaves(tree)
+        for t in tree.leaves(td)
         if t.dim() > 0
     }
 
@@ -393,9 +393,9 @@ def test_a_sharded_checkpoint_loads_whole_in_one_process(ranks, tmp_path_factory
     root = tmp_path_factory.getbasetemp()
     path = next(root.glob("shard*/adamw-fsdp"))
     state = ft.load(path)
-    assert all(type(t) is torch.Tensor for t in _tree.leaves(state.params))
+    assert all(type(t) is torch.Tensor for t in tree.leaves(state.params))
     assert int(state.step) == 2
-    assert _tree.to_flat(state.params).keys() == _tree.to_flat(ft.params_of(gpt())).keys()
+    assert tree.to_flat(state.params).keys() == tree.to_flat(ft.params_of(gpt())).keys()
 
 
 # -- mistakes --------------------------------------------------------------------------------------
@@ -442,7 +442,7 @@ def test_shard_outside_a_step_needs_nothing_from_the_ranks():
     """unshard and local_bytes on a plain tree are no-ops (no process group needed)."""
     params = ft.params_of(gpt())
     assert unshard(params) is params
-    assert local_bytes(params) == sum(t.numel() * 4 for t in _tree.leaves(params))
+    assert local_bytes(params) == sum(t.numel() * 4 for t in tree.leaves(params))
 
 
 def _fails_on_rank_1():

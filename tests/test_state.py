@@ -27,7 +27,7 @@ def test_params_of_is_a_detached_copy_keyed_by_module_path():
     net = Net()
     params = ft.params_of(net)
     assert isinstance(params, TensorDict)
-    assert set(ft._tree.paths(params)) == {k for k, _ in net.named_parameters()}
+    assert set(ft.tree.paths(params)) == {k for k, _ in net.named_parameters()}
     assert torch.equal(params["blocks", "1", "weight"], net.blocks[1].weight)
     assert not params["blocks", "1", "weight"].requires_grad
     params["blocks", "1", "weight"].add_(1.0)  # training the copy never touches the module
@@ -36,7 +36,7 @@ def test_params_of_is_a_detached_copy_keyed_by_module_path():
         net.blocks[0].bias.add_(1.0)  # and the other way round
     assert not torch.equal(params["blocks", "0", "bias"], net.blocks[0].bias)
     buffers = ft.buffers_of(net)
-    assert set(ft._tree.paths(buffers)) == {k for k, _ in net.named_buffers()}
+    assert set(ft.tree.paths(buffers)) == {k for k, _ in net.named_buffers()}
 
 
 def test_apply_runs_the_module_on_the_given_params_only():
@@ -87,7 +87,7 @@ def test_train_state_create():
     state = ft.TrainState.create(ft.params_of(net), opt, seed=7)
     assert state.step.dtype == torch.int64 and int(state.step) == 0 and state.step.dim() == 0
     assert int(state.rng) == 7
-    assert ft._tree.paths(state.opt_state) == ft._tree.paths(opt.init(ft.params_of(net)))
+    assert ft.tree.paths(state.opt_state) == ft.tree.paths(opt.init(ft.params_of(net)))
     assert len(state.extra.keys()) == 0
     with pytest.raises(TypeError, match=r"params must be a TensorDict; use ft.params_of"):
         ft.TrainState.create(dict(net.named_parameters()), opt)
@@ -117,7 +117,7 @@ def test_apply_tied_weight_gets_the_gradient_of_both_uses():
     torch.manual_seed(0)
     model = Tied()
     params = ft.params_of(model)
-    assert ft._tree.paths(params) == ["emb.weight"]  # the tied name is absent, as in params_of
+    assert ft.tree.paths(params) == ["emb.weight"]  # the tied name is absent, as in params_of
     idx = torch.tensor([[0, 3, 5], [6, 1, 2]])
     w = params["emb", "weight"].clone().requires_grad_(True)
     ft.apply(model, TensorDict({"emb": {"weight": w}}, []), idx).square().sum().backward()
@@ -248,7 +248,7 @@ def test_nested_apply_of_two_modules_and_of_the_same_module():
     torch.testing.assert_close(out, want)
     out.sum().backward()
     for td in (p, q, inner_params):  # gradients reach the params of every level
-        assert all(t.grad is not None for t in ft._tree.leaves(td))
+        assert all(t.grad is not None for t in ft.tree.leaves(td))
     for module in (outer, inner):
         assert all(isinstance(t, nn.Parameter) for t in module.parameters())
         assert all(t.grad is None for t in module.parameters())

@@ -144,7 +144,7 @@ def test_token_weighted_loss_gives_the_gradient_of_sum_over_count():
     target = batch["target"].flatten()
     total = F.cross_entropy(logits, target, ignore_index=-100, reduction="sum")
     (total / (target != -100).sum()).backward()
-    got = dict(zip(ft._tree.paths(state.params), seen))
+    got = dict(zip(ft.tree.paths(state.params), seen))
     for name, p in ref.named_parameters():
         assert torch.allclose(got[name], p.grad, rtol=1e-5, atol=1e-6 * p.grad.abs().max()), name
 

@@ -110,11 +110,11 @@ def test_saved_activation_bytes_leaves_the_random_state_alone():
 
 def test_assert_steps_close_passes_and_leaves_the_state_alone():
     step, state = chain_step(2)
-    before = [p.clone() for p in ft._tree.leaves(state.params)]
+    before = [p.clone() for p in ft.tree.leaves(state.params)]
     x = torch.randn(B, D)
     a, b = assert_steps_close(step, step, state, x, steps=2, rtol=0, atol=0)
     assert int(a.step) == int(b.step) == 2
-    assert all(torch.equal(p, q) for p, q in zip(ft._tree.leaves(state.params), before))
+    assert all(torch.equal(p, q) for p, q in zip(ft.tree.leaves(state.params), before))
 
 
 def test_assert_steps_close_names_the_worst_key():
@@ -215,7 +215,7 @@ def test_assert_one_graph_returns_the_graph_of_the_whole_step():
     assert ops.count(torch._C._nn.linear) == 4  # the forward of both blocks (2 Linears each) ...
     assert torch.autograd.grad in ops  # ... its backward ...
     assert torch._foreach_add in ops  # ... and the update, params + updates
-    for a, b in zip(ft._tree.leaves(state.params), ft._tree.leaves(before.params)):
+    for a, b in zip(ft.tree.leaves(state.params), ft.tree.leaves(before.params)):
         assert torch.equal(a, b)  # the state passed in is left as it was
 
 

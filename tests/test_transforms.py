@@ -207,7 +207,7 @@ def test_autocast_close_to_fp32(dtype):
     s32, m32 = step(state, batch)
     s16, m16 = ft.autocast(step, dtype)(state, batch)
     assert max_rel_error(m16["loss"], m32["loss"]) < 1e-2
-    g16, g32 = ft._tree.to_flat(s16.opt_state), ft._tree.to_flat(s32.opt_state)
+    g16, g32 = ft.tree.to_flat(s16.opt_state), ft.tree.to_flat(s32.opt_state)
     worst = max((max_rel_error(g16[k], g32[k]), k) for k in g32)
     assert worst[0] < 3e-2, worst
     if dtype is torch.float16:
@@ -221,9 +221,9 @@ def test_fp16_overflow_skips_the_step_and_halves_the_scale():
     new, metrics = step(state, lm_batch(8))
     assert bool(metrics["skipped"])
     assert not torch.isfinite(metrics["grad_norm"])
-    for a, b in zip(ft._tree.leaves(new.params), ft._tree.leaves(state.params)):
+    for a, b in zip(ft.tree.leaves(new.params), ft.tree.leaves(state.params)):
         assert torch.equal(a, b)
-    for a, b in zip(ft._tree.leaves(new.opt_state), ft._tree.leaves(state.opt_state)):
+    for a, b in zip(ft.tree.leaves(new.opt_state), ft.tree.leaves(state.opt_state)):
         assert torch.equal(a, b)
     # The scale and its counter live in the state, so they are saved and resumed.
     assert float(new.extra["loss_scale", "scale"]) == 2.0**99
@@ -239,7 +239,7 @@ def test_fp16_static_scale_overflow_is_skipped_every_time():
         s, metrics = step(s, lm_batch(8))
         assert bool(metrics["skipped"])
         assert float(s.extra["loss_scale", "scale"]) == pytest.approx(1e30)
-    for a, b in zip(ft._tree.leaves(s.params), ft._tree.leaves(state.params)):
+    for a, b in zip(ft.tree.leaves(s.params), ft.tree.leaves(state.params)):
         assert torch.equal(a, b)
 
 
@@ -313,8 +313,8 @@ def test_compile_matches_eager_without_recompiles():
     for batch, m_compiled in zip(batches, history):
         s, m = eager(s, batch)
         assert max_rel_error(m_compiled["loss"], m["loss"]) < 1e-5
-    for key, a in ft._tree.to_flat(final.params).items():
-        assert max_rel_error(a, ft._tree.to_flat(s.params)[key]) < 1e-5, key
+    for key, a in ft.tree.to_flat(final.params).items():
+        assert max_rel_error(a, ft.tree.to_flat(s.params)[key]) < 1e-5, key
 
 
 @pytest.mark.parametrize(
@@ -354,7 +354,7 @@ def test_checkpoint_traces_without_recompiles(policy):
     s = state
     for batch in batches:
         s, _ = step(s, batch)
-    for a, b in zip(ft._tree.leaves(final.params), ft._tree.leaves(s.params)):
+    for a, b in zip(ft.tree.leaves(final.params), ft.tree.leaves(s.params)):
         assert max_rel_error(a, b) < 1e-6
 
 
@@ -366,15 +366,15 @@ def test_ema_matches_a_by_hand_average():
     decay = 0.8
     with_ema = ft.ema(step, decay)
     s_ema, s = state, state
-    by_hand = ft._tree.leaves(state.params)
+    by_hand = ft.tree.leaves(state.params)
     for i in range(3):
         s_ema, m_ema = with_ema(s_ema, lm_batch(8, seed=i))
         s, m = step(s, lm_batch(8, seed=i))
-        by_hand = [decay * e + (1 - decay) * p for e, p in zip(by_hand, ft._tree.leaves(s.params))]
+        by_hand = [decay * e + (1 - decay) * p for e, p in zip(by_hand, ft.tree.leaves(s.params))]
         assert torch.equal(m_ema["loss"], m["loss"])
-    for a, b in zip(ft._tree.leaves(s_ema.params), ft._tree.leaves(s.params)):
+    for a, b in zip(ft.tree.leaves(s_ema.params), ft.tree.leaves(s.params)):
         assert torch.equal(a, b)  # the params are those of the inner step
-    for a, b in zip(ft._tree.leaves(s_ema.extra["ema"]), by_hand):
+    for a, b in zip(ft.tree.leaves(s_ema.extra["ema"]), by_hand):
         assert max_rel_error(a, b) < 1e-6
 
 
@@ -387,7 +387,7 @@ def param_norm(step):
             calls.append(1)
             state, metrics = inner(state, batch)
             norm = torch.linalg.vector_norm(
-                torch.stack([p.norm() for p in ft._tree.leaves(state.params)])
+                torch.stack([p.norm() for p in ft.tree.leaves(state.params)])
             )
             return state, {**metrics, "param_norm": norm}
 
@@ -407,7 +407,7 @@ def test_user_transform_stays_composable():
     assert len(calls) == 2  # once per step, not once per micro-batch
     new, metrics = composed(state, batch)
     expected = torch.linalg.vector_norm(
-        torch.cat([p.flatten() for p in ft._tree.leaves(new.params)])
+        torch.cat([p.flatten() for p in ft.tree.leaves(new.params)])
     )
     assert max_rel_error(metrics["param_norm"], expected) < 1e-5
 

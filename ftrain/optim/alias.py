@@ -9,7 +9,7 @@ import inspect
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from ftrain import _tree
+from ftrain import tree
 from ftrain.optim.base import GradientTransformation, chain
 from ftrain.optim.factorized import scale_by_factored_rms, scale_by_param_block_rms
 from ftrain.optim.transforms import (
@@ -86,7 +86,7 @@ def decay_mask(params: TensorDictBase) -> TensorDict:
             f"decay_mask(params): params must be a TensorDict (ft.params_of(module)), got "
             f"{type(params).__name__}."
         )
-    values, tdef = _tree.flatten(params)
+    values, tdef = tree.flatten(params)
     return tdef.unflatten([torch.tensor(v.dim() >= 2) for v in values])
 
 

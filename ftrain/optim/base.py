@@ -30,8 +30,8 @@ from typing import NamedTuple
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from ftrain import _tree
-from ftrain._tree import TreeDef
+from ftrain import tree
+from ftrain.tree import TreeDef
 
 __all__ = [
     "GradientTransformation",
@@ -90,10 +90,10 @@ def _accepts_inplace(fn: Callable) -> bool:
     return "inplace" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
-def _params_leaves(params: TensorDictBase, tree: TreeDef, fn: str) -> Leaves:
-    p, pdef = _tree.flatten(params)
-    if pdef != tree:
-        want, got = set(tree.paths), set(pdef.paths)
+def _params_leaves(params: TensorDictBase, tdef: TreeDef, fn: str) -> Leaves:
+    p, pdef = tree.flatten(params)
+    if pdef != tdef:
+        want, got = set(tdef.paths), set(pdef.paths)
         if want == got:
             detail = "the same keys in a different order"
         else:
@@ -110,11 +110,11 @@ def _leafwise(init: Callable, fn: LeafUpdate) -> GradientTransformation:
     builds the TensorDicts once. ``chain`` and the train step call ``fn`` directly."""
 
     def update(updates, state, params=None, *, inplace=False):
-        u, tree = _tree.flatten(updates)
-        s, sdef = _tree.flatten(state)
-        p = None if params is None else _params_leaves(params, tree, "update")
-        new_u, new_s = fn(u, s, p, LeafContext(tree, sdef, inplace, inplace))
-        return tree.unflatten(new_u), sdef.unflatten(new_s)
+        u, tdef = tree.flatten(updates)
+        s, sdef = tree.flatten(state)
+        p = None if params is None else _params_leaves(params, tdef, "update")
+        new_u, new_s = fn(u, s, p, LeafContext(tdef, sdef, inplace, inplace))
+        return tdef.unflatten(new_u), sdef.unflatten(new_s)
 
     update._leaf_update = fn  # type: ignore[attr-defined]
     return GradientTransformation(init, update)
@@ -142,8 +142,8 @@ def leaf_update(t: GradientTransformation) -> LeafUpdate:
             new_u, new_s = t.update(*args, inplace=ctx.inplace and ctx.owned)
         else:
             new_u, new_s = t.update(*args)
-        out_u, udef = _tree.flatten(new_u)
-        out_s, sdef = _tree.flatten(new_s)
+        out_u, udef = tree.flatten(new_u)
+        out_s, sdef = tree.flatten(new_s)
         if udef != ctx.tree or sdef != ctx.state:
             what = "updates" if udef != ctx.tree else "state"
             raise ValueError(
@@ -234,13 +234,13 @@ def _resolve_mask(mask, params: TensorDictBase) -> list[bool]:
             "masked(inner, mask): mask must be a TensorDict of booleans with the params' keys, or "
             "a function params -> such a TensorDict (e.g. optim.decay_mask)."
         )
-    want, got = _tree.paths(params), _tree.paths(m)
+    want, got = tree.paths(params), tree.paths(m)
     if set(want) != set(got):
         raise KeyError(
             f"masked: mask keys differ from params keys: missing {sorted(set(want) - set(got))}, "
             f"extra {sorted(set(got) - set(want))}."
         )
-    flat = _tree.to_flat(m)
+    flat = tree.to_flat(m)
     return [_bool(flat[k]) for k in want]
 
 
@@ -264,25 +264,25 @@ def masked(inner: GradientTransformation, mask) -> GradientTransformation:
     cache: dict = {}
 
     def select(td, keep):
-        flat = _tree.to_flat(td)
-        return _tree.from_flat({k: v for (k, v), m in zip(flat.items(), keep) if m})
+        flat = tree.to_flat(td)
+        return tree.from_flat({k: v for (k, v), m in zip(flat.items(), keep) if m})
 
-    def resolve(tree: TreeDef, leaves: Leaves) -> tuple[list[int], TreeDef]:
+    def resolve(tdef: TreeDef, leaves: Leaves) -> tuple[list[int], TreeDef]:
         # Keyed by plain tuples, so that a step compiled after init finds what init computed.
-        key = (tree.sig, tuple(t.shape for t in leaves)) if callable(mask) else tree.sig
+        key = (tdef.sig, tuple(t.shape for t in leaves)) if callable(mask) else tdef.sig
         got = cache.get(key)
         if got is None:
-            keep = _resolve_mask(mask, tree.unflatten(leaves))
+            keep = _resolve_mask(mask, tdef.unflatten(leaves))
             idx = [i for i, k in enumerate(keep) if k]
-            sub = _tree.structure(select(tree.unflatten(leaves), keep))
+            sub = tree.structure(select(tdef.unflatten(leaves), keep))
             got = (idx, sub)
-            if not _tree._compiling():
+            if not torch.compiler.is_compiling():
                 cache[key] = got
         return got
 
     def init(params):
-        leaves, tree = _tree.flatten(params)
-        chosen = set(resolve(tree, leaves)[0])
+        leaves, tdef = tree.flatten(params)
+        chosen = set(resolve(tdef, leaves)[0])
         return inner.init(select(params, [i in chosen for i in range(len(leaves))]))
 
     def update(u, s, p, ctx):
@@ -380,4 +380,4 @@ def state_bytes(opt_state: TensorDictBase) -> int:
             f"state_bytes(opt_state): expected a TensorDict (e.g. state.opt_state), got "
             f"{type(opt_state).__name__}."
         )
-    return sum(t.numel() * t.element_size() for t in _tree.leaves(opt_state))
+    return sum(t.numel() * t.element_size() for t in tree.leaves(opt_state))

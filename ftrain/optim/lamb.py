@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ftrain import _tree
+from ftrain import tree
 from ftrain.optim.base import GradientTransformation, chain, empty_state
 from ftrain.optim.transforms import add_decayed_weights, scale_by_adam, scale_by_learning_rate
 
@@ -19,8 +19,8 @@ def scale_by_trust_ratio(min_norm: float = 0.0) -> GradientTransformation:
     def update(updates, state, params=None, *, inplace=False):
         if params is None:
             raise ValueError("scale_by_trust_ratio needs params: update(updates, state, params).")
-        u = _tree.leaves(updates)
-        p_norm = torch.stack(torch._foreach_norm(_tree.leaves(params)))
+        u = tree.leaves(updates)
+        p_norm = torch.stack(torch._foreach_norm(tree.leaves(params)))
         u_norm = torch.stack(torch._foreach_norm(u))
         ok = (p_norm > min_norm) & (u_norm > min_norm)
         ratio = torch.where(ok, p_norm / u_norm.clamp_min(torch.finfo(u_norm.dtype).tiny), 1.0)
@@ -28,7 +28,7 @@ def scale_by_trust_ratio(min_norm: float = 0.0) -> GradientTransformation:
         if inplace:
             torch._foreach_mul_(u, factors)
             return updates, state
-        return _tree.unflatten(updates, torch._foreach_mul(u, factors)), state
+        return tree.unflatten(updates, torch._foreach_mul(u, factors)), state
 
     return GradientTransformation(lambda params: empty_state(), update)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
-from ftrain import _tree
+from ftrain import tree
 from ftrain.optim.base import GradientTransformation, chain
 from ftrain.optim.transforms import (
     add_decayed_weights,
@@ -92,13 +92,13 @@ def scale_by_adam_8bit(
 
     def moments(per_leaf: dict[str, dict[str, torch.Tensor]]) -> TensorDict:
         # Nested like the params, each leaf replaced by its moment tensors: moments[path][name].
-        return _tree.from_flat(
-            {f"{k}{_tree.SEP}{name}": t for k, d in per_leaf.items() for name, t in d.items()}
+        return tree.from_flat(
+            {f"{k}{tree.SEP}{name}": t for k, d in per_leaf.items() for name, t in d.items()}
         )
 
     def init(params):
         per_leaf = {}
-        for k, p in _tree.to_flat(params).items():
+        for k, p in tree.to_flat(params).items():
             z = torch.zeros_like(p, dtype=torch.float32)
             per_leaf[k] = leaf_state(z, z)
         return TensorDict(
@@ -112,8 +112,8 @@ def scale_by_adam_8bit(
         bc1 = (1 - b1**t).to(torch.float32)
         bc2_sqrt = (1 - b2**t).sqrt().to(torch.float32)
         out, per_leaf = [], {}
-        for k, g in _tree.to_flat(updates).items():
-            m = state["moments"][tuple(k.split(_tree.SEP))]
+        for k, g in tree.to_flat(updates).items():
+            m = state["moments"][tuple(k.split(tree.SEP))]
             g32 = g.float()  # the moment math is fp32 whatever the params' dtype
             if "mu" in m.keys():
                 mu, nu = m["mu"], m["nu"]
@@ -125,7 +125,7 @@ def scale_by_adam_8bit(
             out.append((mu / bc1 / (nu.sqrt() / bc2_sqrt + eps)).to(g.dtype))
             per_leaf[k] = leaf_state(mu, nu)
         new_state = TensorDict({"count": count, "moments": moments(per_leaf)}, [])
-        return _tree.unflatten(updates, out), new_state
+        return tree.unflatten(updates, out), new_state
 
     return GradientTransformation(init, update)
 

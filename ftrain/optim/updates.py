@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDictBase
 
-from ftrain import _tree
+from ftrain import tree
 
 __all__ = ["apply_updates"]
 
@@ -18,8 +18,8 @@ def apply_updates(
     Returns a new TensorDict, or ``params`` itself updated in place with ``inplace=True``. The two
     trees must have the same keys in the same order (an error names the difference).
     """
-    p, pdef = _tree.flatten(params)
-    u, udef = _tree.flatten(updates)
+    p, pdef = tree.flatten(params)
+    u, udef = tree.flatten(updates)
     if pdef != udef:
         want, got = set(pdef.paths), set(udef.paths)
         raise KeyError(

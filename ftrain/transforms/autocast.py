@@ -8,7 +8,7 @@ import dataclasses
 import torch
 from tensordict import TensorDict
 
-from ftrain import _tree
+from ftrain import tree
 from ftrain.step import Step
 from ftrain.transforms._common import already, check_step
 
@@ -154,7 +154,7 @@ def autocast(
     if dtype is not torch.float32:
 
         def forward_ctx(params):
-            device = _tree.leaves(params)[0].device
+            device = tree.leaves(params)[0].device
             return torch.autocast(device_type=device.type, dtype=dtype)
 
         changes["forward_contexts"] = (*step.forward_contexts, forward_ctx)

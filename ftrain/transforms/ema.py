@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ftrain import _tree
+from ftrain import tree
 from ftrain.step import Step, wrap
 from ftrain.transforms._common import check_step
 
@@ -37,10 +37,10 @@ def ema(step: Step, decay: float = 0.999) -> Step:
     def wrapper(inner):
         def ema_step(state, batch):
             new_state, metrics = inner(state, batch)
-            avg = _tree.leaves(state.extra["ema"])
-            new_avg = torch._foreach_lerp(avg, _tree.leaves(new_state.params), 1.0 - decay)
+            avg = tree.leaves(state.extra["ema"])
+            new_avg = torch._foreach_lerp(avg, tree.leaves(new_state.params), 1.0 - decay)
             extra = new_state.extra.clone(recurse=False)
-            extra["ema"] = _tree.unflatten(state.extra["ema"], new_avg)
+            extra["ema"] = tree.unflatten(state.extra["ema"], new_avg)
             return new_state.replace(extra=extra), metrics
 
         return ema_step

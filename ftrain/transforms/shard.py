@@ -89,7 +89,7 @@ from tensordict import TensorDictBase
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ftrain import _tree
+from ftrain import tree
 from ftrain.optim.base import GradientTransformation, _accepts_inplace
 from ftrain.state import TrainState, module_hooks
 from ftrain.step import Step, _mix
@@ -389,17 +389,17 @@ def _reduce_scatter_leaves(tensors: Sequence[torch.Tensor], mesh) -> list[torch.
     return out  # type: ignore[return-value]
 
 
-def unshard(tree: TensorDictBase) -> TensorDictBase:
-    """``tree`` with every DTensor leaf replaced by its whole, plain tensor (on every rank).
+def unshard(td: TensorDictBase) -> TensorDictBase:
+    """``td`` with every DTensor leaf replaced by its whole, plain tensor (on every rank).
 
     A collective: every process must call it. Plain leaves are returned as they are.
     """
-    leaves = _tree.leaves(tree)
+    leaves = tree.leaves(td)
     sharded = [t for t in leaves if _is_dtensor(t)]
     if not sharded:
-        return tree
+        return td
     mesh = sharded[0].device_mesh
-    return _tree.unflatten(tree, _gather_leaves(leaves, mesh))
+    return tree.unflatten(td, _gather_leaves(leaves, mesh))
 
 
 def unshard_state(state: TrainState) -> TrainState:
@@ -419,29 +419,29 @@ def unshard_state(state: TrainState) -> TrainState:
     )
 
 
-def local_bytes(tree: TensorDictBase | TrainState) -> int:
-    """Bytes this process holds for the tensors of ``tree``: a DTensor counts its local shard."""
-    if isinstance(tree, TrainState):
-        return sum(local_bytes(getattr(tree, f)) for f in ("params", "opt_state", "extra"))
+def local_bytes(td: TensorDictBase | TrainState) -> int:
+    """Bytes this process holds for the tensors of ``td``: a DTensor counts its local shard."""
+    if isinstance(td, TrainState):
+        return sum(local_bytes(getattr(td, f)) for f in ("params", "opt_state", "extra"))
     total = 0
-    for t in _tree.leaves(tree):
+    for t in tree.leaves(td):
         if _is_dtensor(t):
             t = _local(t)
         total += t.numel() * t.element_size()
     return total
 
 
-def _shard_tree(tree: TensorDictBase, mesh, *, copy: bool) -> TensorDictBase:
+def _shard_tree(td: TensorDictBase, mesh, *, copy: bool) -> TensorDictBase:
     """Every leaf with one or more dimensions as a ``Shard(0)`` DTensor; 0-d leaves stay plain."""
-    leaves = _tree.leaves(tree)
-    return _tree.unflatten(
-        tree, [_as_sharded(t, mesh, copy=copy) if t.dim() > 0 else t for t in leaves]
+    leaves = tree.leaves(td)
+    return tree.unflatten(
+        td, [_as_sharded(t, mesh, copy=copy) if t.dim() > 0 else t for t in leaves]
     )
 
 
 def _check_replicated(state: TrainState, group) -> None:
     """Every rank must start from the same params: compare a checksum per leaf (one collective)."""
-    leaves = [t for t in _tree.leaves(state.params) if not _is_dtensor(t)]
+    leaves = [t for t in tree.leaves(state.params) if not _is_dtensor(t)]
     if not leaves or dist.get_world_size(group) == 1:
         return
     sums = torch.stack([t.detach().double().sum() for t in leaves]).cpu()
@@ -452,7 +452,7 @@ def _check_replicated(state: TrainState, group) -> None:
     dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
     differs = ((low != high) & ~(low.isnan() & high.isnan())).nonzero().flatten().tolist()
     if differs:
-        path = _tree.paths(state.params)[differs[0]]
+        path = tree.paths(state.params)[differs[0]]
         raise ValueError(
             f"ft.shard_state: the params differ between processes (first: {path!r}). Every process "
             "must start from the same state: build the model with the same seed everywhere, or "
@@ -480,9 +480,9 @@ def shard_state(state: TrainState, strategy: str = "ddp", mesh: Any = None) -> T
             f"ft.shard_state(state, ...): expected an ft.TrainState, got {type(state).__name__}."
         )
     _check_device(state, mesh)
-    if strategy != "fsdp" and any(_is_dtensor(t) for t in _tree.leaves(state.params)):
+    if strategy != "fsdp" and any(_is_dtensor(t) for t in tree.leaves(state.params)):
         state = state.replace(params=unshard(state.params), extra=unshard(state.extra))
-    if strategy == "ddp" and any(_is_dtensor(t) for t in _tree.leaves(state.opt_state)):
+    if strategy == "ddp" and any(_is_dtensor(t) for t in tree.leaves(state.opt_state)):
         state = state.replace(opt_state=unshard(state.opt_state))
     _check_replicated(state, mesh.get_group())
     if strategy == "ddp":
@@ -498,7 +498,7 @@ def shard_state(state: TrainState, strategy: str = "ddp", mesh: Any = None) -> T
 
 
 def _check_device(state: TrainState, mesh) -> None:
-    for t in _tree.leaves(state.params)[:1]:
+    for t in tree.leaves(state.params)[:1]:
         if t.device.type != mesh.device_type:
             raise ValueError(
                 f"ft.shard_state: the params are on {t.device.type} but the mesh is on "
@@ -653,7 +653,7 @@ def _laid_out_like(new: TensorDictBase, old: TensorDictBase) -> TensorDictBase:
     ``v_col``). Put back, the state keeps the layout :func:`shard_state` gave it, step after
     step. ``Replicate`` to ``Shard(0)`` keeps this rank's rows (no traffic); ``Partial`` to
     ``Shard(0)`` is a reduce-scatter."""
-    news, olds = _tree.leaves(new), _tree.leaves(old)
+    news, olds = tree.leaves(new), tree.leaves(old)
     moved = [
         n.redistribute(o.device_mesh, o.placements)
         if _is_dtensor(n) and _is_dtensor(o) and n.placements != o.placements
@@ -662,7 +662,7 @@ def _laid_out_like(new: TensorDictBase, old: TensorDictBase) -> TensorDictBase:
     ]
     if all(m is n for m, n in zip(moved, news)):
         return new
-    return _tree.unflatten(new, moved)
+    return tree.unflatten(new, moved)
 
 
 def _on_shards(inner: GradientTransformation) -> GradientTransformation:
@@ -704,18 +704,16 @@ def _zero_optimizer(inner: GradientTransformation, mesh) -> GradientTransformati
         return inner.init(_shard_tree(params, mesh, copy=False))
 
     def update(updates, state, params=None, *, inplace=False):
-        u = [_as_sharded(x, mesh, copy=False) for x in _tree.leaves(updates)]
-        u_td = _tree.unflatten(updates, u)
+        u = [_as_sharded(x, mesh, copy=False) for x in tree.leaves(updates)]
+        u_td = tree.unflatten(updates, u)
         p_td = None
         if params is not None:
-            p_td = _tree.unflatten(
-                params, [_as_sharded(x, mesh, copy=False) for x in _tree.leaves(params)]
+            p_td = tree.unflatten(
+                params, [_as_sharded(x, mesh, copy=False) for x in tree.leaves(params)]
             )
         new_u, new_state = inner.update(u_td, state, p_td, inplace=inplace)
-        whole = _gather_leaves(
-            [_as_sharded(x, mesh, copy=False) for x in _tree.leaves(new_u)], mesh
-        )
-        return _tree.unflatten(updates, whole), new_state
+        whole = _gather_leaves([_as_sharded(x, mesh, copy=False) for x in tree.leaves(new_u)], mesh)
+        return tree.unflatten(updates, whole), new_state
 
     return GradientTransformation(init, update)
 
@@ -997,7 +995,7 @@ def _rank_stream(rank: int, state: TrainState) -> Iterator[None]:
     """Re-seed the generators the step seeded (inside its fork_rng) with the rank folded in."""
     seed = _mix(int(state.rng), int(state.step), rank + 1)
     torch.default_generator.manual_seed(seed)
-    device = _tree.leaves(state.params)[0].device
+    device = tree.leaves(state.params)[0].device
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         torch.cuda.default_generators[index].manual_seed(seed)
@@ -1011,8 +1009,8 @@ def _rank_stream(rank: int, state: TrainState) -> Iterator[None]:
 def _check_layout(strategy: str, state: TrainState) -> Iterator[None]:
     """Step context: refuse a state that :func:`shard_state` did not lay out for ``strategy``
     (an unsharded fsdp state would otherwise train each rank on its own, silently)."""
-    params = _tree.leaves(state.params)
-    opt = [t for t in _tree.leaves(state.opt_state) if t.dim() > 0]
+    params = tree.leaves(state.params)
+    opt = [t for t in tree.leaves(state.opt_state) if t.dim() > 0]
     if (params and _is_dtensor(params[0]) != (strategy == "fsdp")) or (
         opt and _is_dtensor(opt[0]) != (strategy != "ddp")
     ):
