@@ -30,15 +30,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import ftrain as ft
-from ftrain.distributed import run_distributed
+from ftrain.distributed import STRATEGIES, local_bytes, run_distributed, shard_state, track_gathered
 from ftrain.models import GPT, GPTConfig
-from ftrain.transforms.shard import (
-    STRATEGIES,
-    local_bytes,
-    shard,
-    shard_state,
-    track_gathered,
-)
+from ftrain.transforms import shard
 
 SECTION = "Shard"
 

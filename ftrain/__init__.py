@@ -9,7 +9,8 @@ step into a step::
     state, metrics = step(state, batch)
 """
 
-from ftrain import data, distributed, losses, models, optim
+from ftrain import data, distributed, losses, models, optim, rng, tree
+from ftrain.apply import apply
 from ftrain.checkpoint_io import (
     CheckpointError,
     latest_checkpoint,
@@ -19,9 +20,10 @@ from ftrain.checkpoint_io import (
     save,
     save_checkpoint,
 )
+from ftrain.distributed import shard_state, unshard_state
 from ftrain.losses import Loss
-from ftrain.state import TrainState, apply, buffers_of, params_of, state_dict_of
-from ftrain.step import Step, train_step, wrap
+from ftrain.state import TrainState, buffers_of, params_of, state_dict_of
+from ftrain.step import Gradients, Step, Transform, train_step
 from ftrain.transforms import (
     accumulate,
     autocast,
@@ -29,8 +31,7 @@ from ftrain.transforms import (
     compile,
     ema,
     shard,
-    shard_state,
-    unshard_state,
+    wrap,
 )
 
 __version__ = "0.1.0"
@@ -53,6 +54,10 @@ __all__ = [
     "compile",
     "ema",
     "Step",
+    "Transform",
+    "Gradients",
+    "rng",
+    "tree",
     "TrainState",
     "apply",
     "buffers_of",

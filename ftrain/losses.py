@@ -13,6 +13,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from ftrain.batch import batch_rows
+
 __all__ = ["Loss", "cross_entropy", "as_loss"]
 
 
@@ -62,8 +64,6 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int
 
 
 def _rows(batch) -> int:
-    from ftrain.step import batch_rows  # the step's own reading of the batch (nested too)
-
     rows = batch_rows(batch)
     if rows is None:
         raise TypeError(

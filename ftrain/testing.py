@@ -18,7 +18,6 @@ were.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import math
 from collections.abc import Callable, Iterable, Mapping
@@ -30,10 +29,12 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ftrain import tree
+from ftrain import rng, tree
 from ftrain.distributed import DistributedError, run_distributed
 from ftrain.state import TrainState
-from ftrain.step import Step, split_batch
+from ftrain.step import Step
+from ftrain.transforms.compile import Compile
+from ftrain.transforms.compile import compile as ft_compile
 
 __all__ = [
     "assert_steps_close",
@@ -173,7 +174,7 @@ def assert_no_recompile(
     from torch._dynamo.exc import RecompileError
     from torch._dynamo.utils import counters
 
-    if not isinstance(step, Step) or step.compiled is None:
+    if not isinstance(step, Step) or not _compiled(step):
         raise TypeError(
             "assert_no_recompile(step, ...): step must be compiled; pass ft.compile(step)."
         )
@@ -215,9 +216,7 @@ def assert_one_graph(step: Step, state: TrainState, batch: Any) -> torch.fx.Grap
     from torch._dynamo import config as dynamo_config
     from torch._dynamo.utils import counters
 
-    from ftrain.transforms.compile import compile as ft_compile
-
-    if not isinstance(step, Step) or step.compiled is not None:
+    if not isinstance(step, Step) or _compiled(step):
         raise TypeError(
             "assert_one_graph(step, ...): pass the step before ft.compile (an ft.Step); the "
             "helper compiles it with a recording backend."
@@ -311,15 +310,15 @@ def saved_bytes(fn: Callable[..., Any], *args, **kwargs) -> int:
 def saved_activation_bytes(step: Step, state: TrainState, batch: Any) -> int:
     """Bytes the ``step`` keeps alive for backward after the forward of its first micro-batch.
 
-    Runs only the forward phase (``step.forward``: the loss function under the step's forward
-    contexts, i.e. autocast and activation checkpointing) on the first of the step's
-    ``micro_batches`` pieces of ``batch``, inside the step's step contexts (TF32) and with the
-    global random state restored afterwards. It returns :func:`saved_bytes` of that forward:
+    Runs only the forward phase (``step.forward``: the loss function under the step's
+    ``around_forward`` contexts and model rewrites, i.e. autocast and activation checkpointing) on
+    the first of the pieces ``step.split(batch)`` gives, inside the step's ``around_step`` contexts
+    (TF32) and with the global random state restored afterwards. It returns :func:`saved_bytes` of that forward:
     the total size of the tensors allocated during the forward that are still alive once it
     returns while the loss is held — the activations autograd saved, dropout masks, autocast's
     low-precision weight copies, the inputs (and, for ``"selective"``, the matmul outputs) that
     checkpointing keeps, and the 0-d loss itself. Params, optimizer state and the batch are not
-    counted. The forward runs eagerly even for a compiled step; wrappers (``ft.wrap``) are not run.
+    counted. The forward runs eagerly even for a compiled step; ``wrap`` hooks (``ft.wrap``) are not run.
     """
     if not isinstance(step, Step):
         raise TypeError(
@@ -331,15 +330,16 @@ def saved_activation_bytes(step: Step, state: TrainState, batch: Any) -> int:
             f"{type(state).__name__}."
         )
     state = step.init_extra(state)
-    micro = split_batch(batch, step.micro_batches)[0]
-    device = tree.leaves(state.params)[0].device
+    micro = step.split(batch)[0]
+    device = tree.first_leaf(state.params).device
 
     def forward():
         leaves = [p.detach().requires_grad_(True) for p in tree.leaves(state.params)]
         return step.forward(tree.unflatten(state.params, leaves), micro)
 
-    devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices), contextlib.ExitStack() as stack:
-        for ctx in step.step_contexts:
-            stack.enter_context(ctx(state))
+    with rng.seeded(rng.step_seed(state), device), step.around_step(state):
         return saved_bytes(forward)
+
+
+def _compiled(step: Step) -> bool:
+    return any(isinstance(t, Compile) for t in step.transforms)

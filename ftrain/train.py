@@ -34,8 +34,9 @@ import torch
 import ftrain as ft
 from ftrain import data, optim
 from ftrain.config import TrainConfig, _flag
+from ftrain.distributed import shard_state, unshard, unshard_state
 from ftrain.models import GPT, GPTConfig, generate
-from ftrain.transforms.shard import shard, shard_state, unshard, unshard_state
+from ftrain.transforms import shard
 
 __all__ = [
     "build_data",

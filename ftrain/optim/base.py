@@ -82,7 +82,7 @@ def empty_state() -> TensorDict:
     return TensorDict({}, batch_size=[])
 
 
-def _accepts_inplace(fn: Callable) -> bool:
+def accepts_inplace(fn: Callable) -> bool:
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
@@ -133,7 +133,7 @@ def leaf_update(t: GradientTransformation) -> LeafUpdate:
         return _ADAPTED[t.update]
     except (KeyError, TypeError):
         pass
-    takes_inplace = _accepts_inplace(t.update)
+    takes_inplace = accepts_inplace(t.update)
 
     def adapted(u, s, p, ctx):
         args = (ctx.tree.unflatten(u), ctx.state.unflatten(s))
@@ -302,11 +302,14 @@ def masked(inner: GradientTransformation, mask) -> GradientTransformation:
 
 
 def all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """0-d bool tensor: every element of every tensor is finite. No host sync."""
+    """0-d bool tensor (plain, also for DTensors): every element of every tensor is finite. No
+    host sync."""
     if not tensors:
         return torch.ones((), dtype=torch.bool)
     norms = torch._foreach_norm(tensors, ord=float("inf"))
-    return torch.stack(norms).isfinite().all()
+    finite = torch.stack(norms).isfinite().all()
+    # of sharded (DTensor) tensors: a replicated DTensor; the same value as a plain tensor
+    return finite.full_tensor() if hasattr(finite, "full_tensor") else finite
 
 
 def apply_if_finite(

@@ -1,34 +1,28 @@
-"""Transforms: functions ``Step -> Step``, one module each."""
+"""Transforms: each a class on the ``ft.Transform`` protocol and a function ``Step -> Step``."""
 
-from ftrain.transforms.accumulate import accumulate
-from ftrain.transforms.autocast import DynamicLossScale, StaticLossScale, autocast
-from ftrain.transforms.checkpoint import checkpoint, find_blocks
-from ftrain.transforms.compile import compile
-from ftrain.transforms.ema import ema
-from ftrain.transforms.shard import (
-    STRATEGIES,
-    local_bytes,
-    shard,
-    shard_state,
-    track_gathered,
-    unshard,
-    unshard_state,
-)
+from ftrain.transforms.accumulate import Accumulate, accumulate
+from ftrain.transforms.autocast import Autocast, DynamicLossScale, StaticLossScale, autocast
+from ftrain.transforms.checkpoint import Checkpoint, checkpoint
+from ftrain.transforms.compile import Compile, compile
+from ftrain.transforms.ema import Ema, ema
+from ftrain.transforms.shard import Shard, shard
+from ftrain.transforms.wrap import Wrap, wrap
 
 __all__ = [
-    "STRATEGIES",
+    "Accumulate",
+    "Autocast",
+    "Checkpoint",
+    "Compile",
     "DynamicLossScale",
+    "Ema",
+    "Shard",
     "StaticLossScale",
+    "Wrap",
     "accumulate",
     "autocast",
     "checkpoint",
     "compile",
     "ema",
-    "find_blocks",
-    "local_bytes",
     "shard",
-    "shard_state",
-    "track_gathered",
-    "unshard",
-    "unshard_state",
+    "wrap",
 ]

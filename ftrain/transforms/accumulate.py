@@ -2,10 +2,47 @@
 
 from __future__ import annotations
 
-from ftrain.step import Step
-from ftrain.transforms._common import check_step
+import dataclasses
+from typing import Any
 
-__all__ = ["accumulate"]
+from ftrain.batch import batch_rows, split_batch
+from ftrain.step import Step, Transform
+
+__all__ = ["Accumulate", "accumulate"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Accumulate(Transform):
+    """Split the batch into ``micro_batches`` pieces (the ``split`` hook); see :func:`accumulate`."""
+
+    micro_batches: int
+
+    def __post_init__(self) -> None:
+        k = self.micro_batches
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(
+                f"ft.accumulate(micro_batches={k!r}): must be an integer >= 1 "
+                "(the number of pieces each batch is split into)."
+            )
+
+    def check(self, inner, outer) -> None:
+        others = [t for t in (*inner, *outer) if isinstance(t, Accumulate)]
+        if others:
+            k = others[0].micro_batches
+            raise ValueError(
+                f"ft.accumulate: the step already accumulates over {k} micro-batches. Apply "
+                f"accumulate once, with micro_batches={k * self.micro_batches}."
+            )
+
+    def split(self, batch: Any) -> list[Any]:
+        k = self.micro_batches
+        rows = batch_rows(batch)
+        if rows is not None and rows < k:
+            raise ValueError(
+                f"ft.accumulate(micro_batches={k}) got a batch of {rows} rows; every micro-batch "
+                f"needs at least one row. Use micro_batches <= {rows}."
+            )
+        return split_batch(batch, k)
 
 
 def accumulate(step: Step, micro_batches: int) -> Step:
@@ -19,15 +56,4 @@ def accumulate(step: Step, micro_batches: int) -> Step:
     micro-batches hold different numbers of valid tokens (fp32: params agree to 1e-5 relative).
     A batch with fewer rows than ``micro_batches`` is an error.
     """
-    step = check_step(step, "accumulate")
-    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
-        raise ValueError(
-            f"ft.accumulate(micro_batches={micro_batches!r}): must be an integer >= 1 "
-            "(the number of pieces each batch is split into)."
-        )
-    if step.micro_batches != 1:
-        raise ValueError(
-            f"ft.accumulate: the step already accumulates over {step.micro_batches} micro-batches. "
-            f"Apply accumulate once, with micro_batches={step.micro_batches * micro_batches}."
-        )
-    return step.replace("accumulate", micro_batches=micro_batches)
+    return Accumulate(micro_batches)(step)

@@ -9,10 +9,11 @@ import torch
 from tensordict import TensorDict
 
 from ftrain import tree
-from ftrain.step import Step
-from ftrain.transforms._common import already, check_step
+from ftrain.optim.base import all_finite
+from ftrain.state import TrainState
+from ftrain.step import Gradients, Step, Transform
 
-__all__ = ["autocast", "DynamicLossScale", "StaticLossScale"]
+__all__ = ["Autocast", "autocast", "DynamicLossScale", "StaticLossScale"]
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
@@ -98,6 +99,53 @@ def _tf32_enabled():
         torch.set_float32_matmul_precision(saved[2])
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class Autocast(Transform):
+    """Mixed precision (see :func:`autocast`): ``around_forward`` enters ``torch.autocast``;
+    with fp16, ``init``/``loss_scale``/``gradients`` keep and apply the loss scale and skip
+    non-finite steps; with ``tf32``, ``around_step`` allows TF32 matmuls."""
+
+    dtype: torch.dtype = torch.bfloat16
+    scaler: DynamicLossScale | StaticLossScale | None = None
+    tf32: bool = False
+
+    once = True
+
+    def uses(self, hook: str) -> bool:
+        if hook in ("init", "loss_scale", "gradients"):
+            return self.scaler is not None
+        if hook == "around_forward":
+            return self.dtype is not torch.float32
+        if hook == "around_step":
+            return self.tf32
+        return super().uses(hook)
+
+    def init(self, state: TrainState) -> TrainState:
+        if "loss_scale" in state.extra.keys():
+            return state
+        extra = state.extra.clone(recurse=False)
+        extra["loss_scale"] = self.scaler.init()
+        return state.replace(extra=extra)
+
+    def around_step(self, state: TrainState):
+        return _tf32_enabled()
+
+    def around_forward(self, params):
+        device = tree.first_leaf(params).device
+        return torch.autocast(device_type=device.type, dtype=self.dtype)
+
+    def loss_scale(self, state: TrainState) -> torch.Tensor:
+        return self.scaler.scale(state.extra)
+
+    def gradients(self, g: Gradients, state: TrainState) -> Gradients:
+        finite = all_finite(tree.leaves(g.grads))
+        extra = g.extra.clone(recurse=False)
+        extra["loss_scale"] = self.scaler.update(state.extra["loss_scale"], finite)
+        skip = ~finite if g.skip is None else g.skip | ~finite
+        metrics = {**g.metrics, "skipped": ~finite, "loss_scale": extra["loss_scale", "scale"]}
+        return g._replace(skip=skip, metrics=metrics, extra=extra)
+
+
 def autocast(
     step: Step,
     dtype: torch.dtype = torch.bfloat16,
@@ -119,14 +167,11 @@ def autocast(
     1e-2 and each gradient tensor to 3e-2, relative to its largest entry (bf16 measures about
     8e-3, fp16 about 1e-3; ``tests/test_transforms.py``). fp16 never applies a non-finite update.
     """
-    step = check_step(step, "autocast")
     if dtype not in _DTYPES:
         raise ValueError(
             f"ft.autocast(dtype={dtype!r}): legal dtypes are torch.bfloat16, torch.float16 and "
             "torch.float32 (no autocast)."
         )
-    if already(step, "autocast"):
-        raise ValueError("ft.autocast was applied twice; apply it once, with the dtype you want.")
     if not isinstance(tf32, bool):
         raise TypeError(f"ft.autocast(tf32={tf32!r}): expected a bool.")
     scaler = None
@@ -150,16 +195,4 @@ def autocast(
             f"{_DTYPES[dtype]} needs no loss scaling. Drop the argument."
         )
 
-    changes: dict = {}
-    if dtype is not torch.float32:
-
-        def forward_ctx(params):
-            device = tree.leaves(params)[0].device
-            return torch.autocast(device_type=device.type, dtype=dtype)
-
-        changes["forward_contexts"] = (*step.forward_contexts, forward_ctx)
-    if tf32:
-        changes["step_contexts"] = (*step.step_contexts, lambda state: _tf32_enabled())
-    if scaler is not None:
-        changes["loss_scaler"] = scaler
-    return step.replace("autocast", **changes)
+    return Autocast(dtype, scaler, tf32)(step)

@@ -1,17 +1,50 @@
-"""An exponential moving average of the params, kept in the state: a user-style transform.
-
-Written with ``ft.wrap`` exactly as a user would write their own transform.
-"""
+"""An exponential moving average of the params, kept in the state."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
 from ftrain import tree
-from ftrain.step import Step, wrap
-from ftrain.transforms._common import check_step
+from ftrain.state import TrainState
+from ftrain.step import Step, StepFn, Transform
 
-__all__ = ["ema"]
+__all__ = ["Ema", "ema"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Ema(Transform):
+    """``state.extra["ema"]`` follows the params (the ``init`` and ``wrap`` hooks); see :func:`ema`."""
+
+    decay: float = 0.999
+
+    once = True
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.decay < 1.0:
+            raise ValueError(f"ft.ema(decay={self.decay!r}): must be in [0, 1).")
+
+    def init(self, state: TrainState) -> TrainState:
+        if "ema" in state.extra.keys():
+            return state
+        extra = state.extra.clone(recurse=False)  # a new container: the input state is untouched
+        extra["ema"] = state.params.clone()
+        return state.replace(extra=extra)
+
+    def wrap(self, fn: StepFn) -> StepFn:
+        weight = 1.0 - self.decay
+
+        def ema_step(state, batch):
+            new_state, metrics = fn(state, batch)
+            avg = tree.leaves(state.extra["ema"])
+            # ema + (1 - decay) * (params - ema), for all tensors in one multi-tensor kernel
+            new_avg = torch._foreach_lerp(avg, tree.leaves(new_state.params), weight)
+            extra = new_state.extra.clone(recurse=False)
+            extra["ema"] = tree.unflatten(state.extra["ema"], new_avg)
+            return new_state.replace(extra=extra), metrics
+
+        return ema_step
 
 
 def ema(step: Step, decay: float = 0.999) -> Step:
@@ -23,26 +56,4 @@ def ema(step: Step, decay: float = 0.999) -> Step:
     **Invariant:** after n steps, ``ema == decay**n * p0 + sum_i (1-decay) decay**(n-i) p_i``; the
     params and metrics are those of ``step``.
     """
-    step = check_step(step, "ema")
-    if not 0.0 <= decay < 1.0:
-        raise ValueError(f"ft.ema(decay={decay!r}): must be in [0, 1).")
-
-    def init(state):
-        if "ema" in state.extra.keys():
-            return state
-        extra = state.extra.clone(recurse=False)
-        extra["ema"] = state.params.clone()
-        return state.replace(extra=extra)
-
-    def wrapper(inner):
-        def ema_step(state, batch):
-            new_state, metrics = inner(state, batch)
-            avg = tree.leaves(state.extra["ema"])
-            new_avg = torch._foreach_lerp(avg, tree.leaves(new_state.params), 1.0 - decay)
-            extra = new_state.extra.clone(recurse=False)
-            extra["ema"] = tree.unflatten(state.extra["ema"], new_avg)
-            return new_state.replace(extra=extra), metrics
-
-        return ema_step
-
-    return wrap(step, wrapper, name="ema", init=init)
+    return Ema(decay)(step)

@@ -1,4 +1,5 @@
-"""``torch.distributed`` set-up: from torchrun's environment, or N local processes for tests.
+"""``torch.distributed`` set-up: from torchrun's environment, or N local processes for tests;
+the 1-D mesh data parallelism runs on.
 
 Under torchrun, :func:`init` creates the process group from the environment::
 
@@ -25,7 +26,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["init", "is_initialized", "rank_and_world", "run_distributed", "DistributedError"]
+__all__ = [
+    "init",
+    "is_initialized",
+    "rank_and_world",
+    "run_distributed",
+    "DistributedError",
+    "require_group",
+    "default_mesh",
+    "check_mesh",
+]
 
 
 def is_initialized() -> bool:
@@ -206,3 +216,41 @@ def _collect(procs: list, outs: list[str], timeout: float) -> list[tuple[str, An
             break
         time.sleep(0.02)
     return [results[r] for r in range(len(procs))]
+
+
+# -- the mesh -----------------------------------------------------------------------------------
+
+
+def require_group(fn: str) -> None:
+    """An error naming ``fn`` and how to launch, unless a default process group exists."""
+    if not is_initialized():
+        raise RuntimeError(
+            f"ft.{fn}: no torch.distributed process group. Launch with torchrun (e.g. "
+            "`torchrun --nproc_per_node 2 train.py`) and call ft.distributed.init() before "
+            "building the step; in tests and notebooks use "
+            "ft.testing.run_distributed(fn, world_size=2)."
+        )
+
+
+def default_mesh() -> Any:
+    """The 1-D ``DeviceMesh`` over the processes of the default group (``cuda`` under NCCL,
+    ``cpu`` otherwise), wrapping that group (no new process group is created)."""
+    require_group("default_mesh")
+    from torch.distributed.device_mesh import DeviceMesh
+
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    return DeviceMesh.from_group(dist.group.WORLD, device)
+
+
+def check_mesh(mesh: Any, fn: str) -> Any:
+    """``mesh`` if it is a 1-D ``DeviceMesh``, :func:`default_mesh` if None, else an error."""
+    if mesh is None:
+        return default_mesh()
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
+        raise ValueError(
+            f"ft.{fn}(mesh=...): expected a 1-D torch.distributed.device_mesh.DeviceMesh (data "
+            f"parallel over its processes), got {mesh!r}. Leave it None for all processes."
+        )
+    return mesh

@@ -1,0 +1,115 @@
+"""A model's repeated blocks, and copies of a model whose blocks run differently.
+
+Transforms that act per block (activation checkpointing recomputes each block, fsdp gathers each
+block's parameters) never modify the user's module. They give ``ft.apply`` a *rewritten copy* to
+run instead (see ``ftrain.step.Transform.rewrite``): :func:`replace_forwards` copies the modules on
+the way from the root to each block, shallowly, and gives each block's copy a new ``forward``.
+Every parameter, buffer and untouched submodule is shared with the original, so ``ft.apply``
+places its tensors exactly as for the original; the original module and its submodules are left
+as they were. Building the copy is plain Python that ``torch.compile`` traces, so a compiled step
+stays one graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from torch import nn
+
+__all__ = ["find_blocks", "copy_module", "replace_forwards"]
+
+# A function that, given the module to replace (as rewritten below it), returns its new forward.
+MakeForward = Callable[[nn.Module], Callable]
+
+
+def find_blocks(
+    module: nn.Module, modules: Sequence[type[nn.Module]] | None = None
+) -> list[nn.Module]:
+    """The blocks of ``module``: where transformers keep their layers.
+
+    With ``modules`` (module classes): every submodule that is an instance of one of them and is
+    not inside another match (``module`` itself if it is one). Without: the children of the
+    ``nn.ModuleList`` or ``nn.Sequential`` that holds the most parameters among those whose
+    children are themselves composite modules (layers, not a list of Linear heads or embedding
+    tables); ties go to the one found first, so an outer list of layers wins over a Sequential
+    inside one layer. If no container has composite children, the one with the most children.
+    """
+    if modules is not None:
+        types = tuple(modules)
+        if isinstance(module, types):
+            return [module]
+        found: list[nn.Module] = []
+
+        def visit(m: nn.Module) -> None:
+            for child in m.children():
+                if isinstance(child, types):
+                    found.append(child)
+                else:
+                    visit(child)
+
+        visit(module)
+        return found
+    containers = [m for m in module.modules() if isinstance(m, (nn.ModuleList, nn.Sequential))]
+    composite = [
+        m
+        for m in containers
+        if len(m) and all(next(c.children(), None) is not None for c in m.children())
+    ]
+    if composite:
+        # max keeps the first of equal keys: the outer list of layers before any list inside one
+        return list(max(composite, key=lambda m: sum(p.numel() for p in m.parameters())))
+    return list(max(containers, key=len, default=[]))
+
+
+def copy_module(module: nn.Module) -> nn.Module:
+    """A shallow copy of ``module``: a new object of its class holding the same attribute values,
+    so its parameter, buffer and submodule tables are the original's own dicts."""
+    new = object.__new__(type(module))
+    new.__dict__.update(module.__dict__)
+    return new
+
+
+def _without_hooks(module: nn.Module) -> None:
+    """Give a replacement copy empty hook tables: the module it stands for runs its own hooks when
+    the new forward calls it, and they must not run twice."""
+    for name, value in list(module.__dict__.items()):
+        if name.startswith(("_forward_", "_backward_")) and isinstance(value, dict):
+            module.__dict__[name] = type(value)()
+
+
+def replace_forwards(
+    module: nn.Module, replacements: Sequence[tuple[nn.Module, MakeForward]]
+) -> nn.Module:
+    """A copy of ``module`` in which each ``(target, make)`` of ``replacements`` runs
+    ``make(current)`` as its forward, where ``current`` is ``target`` with its own descendants
+    already replaced: calling ``current(*args)`` inside the new forward runs what ``target`` ran.
+
+    Targets are found by identity anywhere under ``module`` (``module`` itself included, replaced
+    last). Each module on the way to a target is copied with :func:`copy_module` and its own
+    submodule table; everything else is shared. Returns ``module`` itself when nothing is replaced.
+    Neither ``module`` nor any submodule is modified.
+    """
+    targets = [t for t, _ in replacements]
+
+    def contains(m: nn.Module) -> bool:
+        return any(t is m for t in targets) or any(contains(c) for c in m.children())
+
+    def visit(m: nn.Module) -> nn.Module:
+        changed = {
+            name: visit(child)
+            for name, child in m._modules.items()
+            if child is not None and contains(child)
+        }
+        current = m
+        if changed:
+            current = copy_module(m)
+            current.__dict__["_modules"] = {**m._modules, **changed}
+        for target, make in replacements:
+            if target is m:
+                replaced = copy_module(current)
+                _without_hooks(replaced)
+                replaced.__dict__["forward"] = make(current)
+                current = replaced
+        return current
+
+    return visit(module)

@@ -1,0 +1,43 @@
+"""Data parallelism on ``torch.distributed``: process-group set-up, flat collectives, DTensor
+plumbing, ZeRO state layouts and FSDP gathering. The ``ft.shard`` transform
+(``ftrain.transforms.shard``) is built from these.
+
+    torchrun --nproc_per_node 2 -m ftrain train --shard fsdp
+    results = ft.distributed.run_distributed(fn, world_size=2)   # in tests and notebooks
+"""
+
+from ftrain.distributed.fsdp import track_gathered
+from ftrain.distributed.launch import (
+    DistributedError,
+    check_mesh,
+    default_mesh,
+    init,
+    is_initialized,
+    rank_and_world,
+    require_group,
+    run_distributed,
+)
+from ftrain.distributed.zero import (
+    STRATEGIES,
+    local_bytes,
+    shard_state,
+    unshard,
+    unshard_state,
+)
+
+__all__ = [
+    "STRATEGIES",
+    "DistributedError",
+    "check_mesh",
+    "default_mesh",
+    "init",
+    "is_initialized",
+    "local_bytes",
+    "rank_and_world",
+    "require_group",
+    "run_distributed",
+    "shard_state",
+    "track_gathered",
+    "unshard",
+    "unshard_state",
+]

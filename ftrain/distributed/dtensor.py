@@ -1,0 +1,210 @@
+"""DTensor plumbing: the one module that touches DTensor's private API.
+
+Sharded leaves of a state are ``DTensor``\\ s placed ``Shard(0)`` on a 1-D ``DeviceMesh`` (a
+tensor's rows split as ``torch.chunk`` splits them); 0-d tensors are ``Replicate()``. This module
+builds them cheaply, takes their local shards, and fills the few gaps DTensor leaves for
+optimizers (:func:`on_shards`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from tensordict import TensorDictBase
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ftrain import tree
+from ftrain.optim.base import GradientTransformation, accepts_inplace
+
+__all__ = [
+    "dtensor",
+    "is_dtensor",
+    "from_local",
+    "local",
+    "placements_of",
+    "on_shards",
+    "laid_out_like",
+]
+
+
+def dtensor():
+    """``torch.distributed.tensor``, imported when first used (a heavy import that
+    single-process users never need)."""
+    from torch.distributed import tensor
+
+    return tensor
+
+
+def is_dtensor(t: object) -> bool:
+    return isinstance(t, dtensor().DTensor)
+
+
+def placements_of(t: torch.Tensor) -> tuple:
+    """How :func:`ftrain.distributed.shard_state` places a tensor: ``Shard(0)`` with one or more
+    dimensions, ``Replicate()`` when 0-d."""
+    d = dtensor()
+    return (d.Shard(0),) if t.dim() > 0 else (d.Replicate(),)
+
+
+@functools.lru_cache(maxsize=4096)
+def _spec(mesh, placements: tuple, shape: tuple, stride: tuple, dtype: torch.dtype):
+    # Private: DTensorSpec and TensorMeta. The public replacement is DTensor.from_local, which
+    # runs an autograd function (about 0.3 ms a call on a CPU; a step makes one per tensor).
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    meta = TensorMeta(torch.Size(shape), stride, dtype)
+    return DTensorSpec(mesh, placements, tensor_meta=meta)
+
+
+def from_local(local_t: torch.Tensor, mesh, placements: tuple, shape, stride) -> torch.Tensor:
+    """``DTensor.from_local(local_t, mesh, placements, shape=shape, stride=stride)`` without its
+    autograd function: for tensors that need no gradient (state, grads, updates)."""
+    d = dtensor()
+    try:
+        spec = _spec(mesh, tuple(placements), tuple(shape), tuple(stride), local_t.dtype)
+    except ImportError:  # a torch that moved the private spec: the public, slower way
+        return d.DTensor.from_local(
+            local_t, mesh, placements, run_check=False, shape=shape, stride=stride
+        )
+    return d.DTensor(local_t, spec, requires_grad=False)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (no autograd: ``to_local``'s no-grad path)."""
+    with torch.no_grad():
+        return t.to_local()
+
+
+def _to_local(x: Any) -> Any:
+    if isinstance(x, (list, tuple)):
+        return [_to_local(t) for t in x]
+    return local(x) if is_dtensor(x) else x
+
+
+class _LocalForeach(TorchDispatchMode):
+    """Elementwise ``torch._foreach_*`` ops that DTensor has no sharding rule for (e.g.
+    ``_foreach_copy_``) run on the local shards, when the operands at each list position are laid
+    out alike (same mesh, placements and shape, or 0-d). Every other op goes to DTensor."""
+
+    _REDUCTIONS = ("aten::_foreach_norm", "aten::_foreach_max")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        try:
+            return func(*args, **kwargs)
+        except NotImplementedError:
+            name = func.name()
+            if not name.startswith("aten::_foreach_") or name.startswith(self._REDUCTIONS):
+                raise
+            like = _alike(args)
+            if like is None:
+                raise
+        out = func(*_to_local(list(args)), **{k: _to_local(v) for k, v in kwargs.items()})
+        if out is None or not isinstance(out, (list, tuple)):
+            return out  # in place: the shards were written
+        return [
+            from_local(o, ref.device_mesh, ref.placements, ref.shape, ref.stride())
+            if ref is not None
+            else o
+            for o, ref in zip(out, like)
+        ]
+
+
+def _alike(args: Sequence[Any]) -> list | None:
+    """Per list position, the DTensor whose layout every operand there shares (None where all
+    are plain), or None when some position mixes layouts."""
+    lists = [
+        a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)
+    ]
+    scalars = [a for a in args if isinstance(a, torch.Tensor)]
+    if not lists or any(s.dim() > 0 for s in scalars):
+        return None
+    refs: list = []
+    for column in zip(*lists):
+        ref = None
+        for t in column:
+            if t.dim() == 0 and (not is_dtensor(t) or all(p.is_replicate() for p in t.placements)):
+                continue
+            if not is_dtensor(t):
+                return None
+            if ref is None:
+                ref = t
+            elif (t.device_mesh, t.placements, t.shape) != (
+                ref.device_mesh,
+                ref.placements,
+                ref.shape,
+            ):
+                return None
+        refs.append(ref)
+    return refs
+
+
+@contextlib.contextmanager
+def _plain_as_replicated() -> Iterator[None]:
+    """A plain tensor that meets a DTensor counts as ``Replicate()``.
+
+    True of the plain tensors an optimizer makes inside its update: they are computed the same
+    way on every process from constants and replicated values (e.g. the ``sqrt(numel)`` of each
+    tensor that ``clip_by_block_rms`` divides the norms by). DTensor would refuse the mixed op;
+    ``implicit_replication`` is its switch for this, scoped here and restored on exit. Whether it
+    is already on is read from the private ``_allow_implicit_replication`` (no public getter)."""
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    dispatcher = dtensor().DTensor._op_dispatcher
+    if getattr(dispatcher, "_allow_implicit_replication", False):
+        yield  # already on (the caller's own implicit_replication): leave it on
+        return
+    with implicit_replication():
+        yield
+
+
+def laid_out_like(new: TensorDictBase, old: TensorDictBase) -> TensorDictBase:
+    """``new`` with each DTensor leaf placed as the same leaf of ``old`` (a tree of the same
+    structure); ``new`` itself when nothing moves.
+
+    An optimizer's out-of-place op may return another placement than its input had: the new
+    value of a statistic reduced over the shards comes back ``Replicate()`` (adafactor's
+    ``v_col``). Put back, the state keeps the layout ``shard_state`` gave it, step after step.
+    ``Replicate`` to ``Shard(0)`` keeps this rank's rows (no traffic); ``Partial`` to ``Shard(0)``
+    is a reduce-scatter."""
+    news, olds = tree.leaves(new), tree.leaves(old)
+    moved = [
+        n.redistribute(o.device_mesh, o.placements)
+        if is_dtensor(n) and is_dtensor(o) and n.placements != o.placements
+        else n
+        for n, o in zip(news, olds)
+    ]
+    if all(m is n for m, n in zip(moved, news)):
+        return new
+    return tree.unflatten(new, moved)
+
+
+def on_shards(inner: GradientTransformation) -> GradientTransformation:
+    """``inner`` run on DTensors: the gaps of DTensor filled (foreach ops it has no rule for run
+    on the local shards; plain tensors count as replicated), and the updates and new state laid
+    out as the grads and state that came in (:func:`laid_out_like`)."""
+    takes_inplace = accepts_inplace(inner.update)
+
+    def update(updates, state, params=None, *, inplace=False):
+        try:
+            with _LocalForeach(), _plain_as_replicated():
+                if takes_inplace:
+                    new_u, new_s = inner.update(updates, state, params, inplace=inplace)
+                else:
+                    new_u, new_s = inner.update(updates, state, params)
+                return laid_out_like(new_u, updates), laid_out_like(new_s, state)
+        except (RuntimeError, NotImplementedError) as e:
+            if "DTensor" not in str(e) and "harding" not in str(e):
+                raise
+            raise type(e)(
+                "ft.shard: the optimizer cannot run on sharded state: DTensor refused one of its "
+                f"operations ({str(e).strip().splitlines()[0]}). Use strategy 'ddp' with this "
+                "optimizer, or write the operation out of place (e.g. x.square() rather than "
+                "x.square_() on a reduced tensor) so that DTensor can finish the reduction first."
+            ) from e
+
+    return GradientTransformation(inner.init, update)

@@ -1,0 +1,233 @@
+"""FSDP: each block's parameters are whole only while the block runs.
+
+The params are ``Shard(0)`` DTensors. ``ft.shard(step, "fsdp")`` rewrites the model ``ft.apply``
+runs (:func:`gathering_copy`, a copy: the user's module is never modified) so that right before a
+block runs its parameters are all-gathered into whole tensors, and right after they are dropped;
+the parameters outside the blocks (embeddings, final norm) are gathered for the whole forward.
+Tensors that backward needs from a gathered parameter are not kept: they are saved as a reference
+to the shard and gathered again when backward reaches the block (under ``ft.checkpoint`` the
+recompute gathers them, since the gathering runs inside the recomputed block). The gradient of a
+gathered tensor is reduce-scattered straight back to its shard, so no process holds whole
+gradients; except when the gradient engine reweights them after backward
+(``ftrain.step.reweighting``, fp16 loss scaling): then they stay local (``Partial``) and the
+step's reduce phase reduce-scatters them once.
+
+So the parameter memory of a process is its shard plus about one block at a time
+(:func:`track_gathered` measures it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from ftrain.blocks import find_blocks, replace_forwards
+from ftrain.distributed.collectives import gather_leaves, reduce_scatter_leaves
+from ftrain.distributed.dtensor import dtensor, from_local, is_dtensor
+from ftrain.scoped import Scoped
+from ftrain.step.engine import reweighting
+
+__all__ = ["Tracker", "track_gathered", "session", "saved_as_shards", "gathering_copy"]
+
+
+class Tracker:
+    """Bytes of gathered parameter buffers alive, sampled whenever a new one is made."""
+
+    def __init__(self) -> None:
+        self.alive: list[tuple[Any, int]] = []
+        self.peak = 0
+        self.gathers = 0
+
+    def add(self, t: torch.Tensor) -> None:
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        self.gathers += 1
+        self.alive = [(ref, n) for ref, n in self.alive if not ref.expired()]
+        storage = t.untyped_storage()
+        self.alive.append((StorageWeakRef(storage), storage.nbytes()))
+        self.peak = max(self.peak, sum(n for _, n in self.alive))
+
+
+_TRACKERS: Scoped[tuple[Tracker, ...]] = Scoped("ftrain fsdp trackers", ())
+
+
+@contextlib.contextmanager
+def track_gathered() -> Iterator[Tracker]:
+    """Measure the whole parameters that ``fsdp`` holds while it steps::
+
+        with track_gathered() as t:
+            state, metrics = step(state, batch)
+        t.peak  # most bytes of gathered whole parameters alive at once
+
+    ``peak`` counts the whole tensors of every gather (forward, and again in backward) for as long
+    as anything holds them; add the shards (``local_bytes``) for the parameter memory of the
+    process. Not counted: the flat receive buffer of the gather in progress (one group's size),
+    which lives only while it is cut into whole tensors (the collective backend may hold it a
+    moment longer).
+    """
+    tracker = Tracker()
+    with _TRACKERS.using((*_TRACKERS.get(), tracker)):
+        yield tracker
+
+
+class _Gathered:
+    """One gather of one group of parameters (a block, or the model's other params)."""
+
+    def __init__(self, mesh, shards: list[torch.Tensor]):
+        self.mesh = mesh
+        self.shards = shards  # the DTensors, in the order of the gathered outputs
+        self.again: list[torch.Tensor] | None = None  # re-gathered for backward, then dropped
+
+    def gather(self) -> list[torch.Tensor]:
+        whole = gather_leaves(self.shards, self.mesh)
+        for tracker in _TRACKERS.get():
+            for w in whole:
+                tracker.add(w)
+        return whole
+
+    def regather(self, i: int) -> torch.Tensor:
+        if self.again is None:
+            with torch.no_grad():
+                self.again = self.gather()
+        return self.again[i]
+
+
+class _GatherFn(torch.autograd.Function):
+    """Forward: whole tensors from shards (all-gather). Backward: the gradients of the whole
+    tensors, summed over ranks, land on the shards (reduce-scatter), or stay local (``Partial``)
+    while the engine is reweighting."""
+
+    @staticmethod
+    def forward(ctx, gathered: _Gathered, *shards):
+        ctx.gathered = gathered
+        return tuple(gathered.gather())
+
+    @staticmethod
+    def backward(ctx, *grads):
+        g: _Gathered = ctx.gathered
+        g.again = None  # the block's backward is over: drop what it re-gathered
+        grads = [
+            gr if gr is not None else torch.zeros(s.shape, dtype=s.dtype, device=s.device)
+            for gr, s in zip(grads, g.shards)
+        ]
+        if reweighting():  # each rank's own sum, reduced by the step after reweighting
+            partial = (dtensor().Partial(),)
+            return (None, *(from_local(x, g.mesh, partial, x.shape, x.stride()) for x in grads))
+        return (None, *reduce_scatter_leaves(grads, g.mesh))
+
+
+class _Regather:
+    """What a saved-for-backward view of a gathered parameter is packed into."""
+
+    __slots__ = ("gathered", "index", "size", "stride", "offset")
+
+    def __init__(self, gathered, index, size, stride, offset):
+        self.gathered, self.index = gathered, index
+        self.size, self.stride, self.offset = size, stride, offset
+
+
+class _Session:
+    """The gathering of one fsdp step: which whole tensors alive now were gathered from which
+    shards, so that what backward saves of them is packed as a reference to the shard."""
+
+    def __init__(self, mesh):
+        self.mesh = mesh
+        self.saved: dict[int, tuple[_Gathered, int, torch.dtype]] = {}  # storage ptr -> source
+
+    @contextlib.contextmanager
+    def gathered(self, slots: list[tuple[nn.Module, str]]) -> Iterator[None]:
+        """The parameters at ``slots`` (``(owner, name)``) whole for the extent of the block."""
+        current = [m._parameters[n] for m, n in slots]
+        order: dict[int, int] = {}
+        shards = []
+        for t in current:
+            if is_dtensor(t) and id(t) not in order:
+                order[id(t)] = len(shards)
+                shards.append(t)
+        if not shards:
+            yield
+            return
+        gathered = _Gathered(self.mesh, shards)
+        whole = _GatherFn.apply(gathered, *shards)
+        ptrs = []
+        if torch.is_grad_enabled():  # saved for backward: packed as a reference (see pack)
+            for i, w in enumerate(whole):
+                ptr = w.untyped_storage().data_ptr()
+                self.saved[ptr] = (gathered, i, w.dtype)
+                ptrs.append(ptr)
+        for (m, n), t in zip(slots, current):
+            if id(t) in order:
+                m._parameters[n] = whole[order[id(t)]]
+        try:
+            yield
+        finally:
+            for (m, n), t in zip(slots, current):
+                m._parameters[n] = t
+            for p in ptrs:  # the whole tensors die now; their addresses may be reused
+                self.saved.pop(p, None)
+
+    def pack(self, t: torch.Tensor) -> Any:
+        if self.saved and type(t) is torch.Tensor and t.layout == torch.strided:
+            hit = self.saved.get(t.untyped_storage().data_ptr())
+            if hit is not None and hit[2] == t.dtype:
+                return _Regather(hit[0], hit[1], t.size(), t.stride(), t.storage_offset())
+        return t
+
+    @staticmethod
+    def unpack(x: Any) -> torch.Tensor:
+        if isinstance(x, _Regather):
+            whole = x.gathered.regather(x.index)
+            return whole.as_strided(x.size, x.stride, x.offset)
+        return x
+
+
+_SESSION: Scoped[_Session | None] = Scoped("ftrain fsdp session", None)
+
+
+@contextlib.contextmanager
+def session(mesh) -> Iterator[None]:
+    """One gathering session for the extent of a step (its forward and its backward)."""
+    with _SESSION.using(_Session(mesh)):
+        yield
+
+
+@contextlib.contextmanager
+def saved_as_shards(mesh) -> Iterator[None]:
+    """Around a forward: what autograd saves of a gathered parameter is packed as a reference to
+    its shard. Opens a session of its own when the forward runs outside a step call."""
+    with contextlib.ExitStack() as stack:
+        if _SESSION.get() is None:
+            stack.enter_context(session(mesh))
+        s = _SESSION.get()
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(s.pack, s.unpack))
+        yield
+
+
+def _gathering(slots: list[tuple[nn.Module, str]]):
+    """The forward maker of :func:`ftrain.blocks.replace_forwards`: run the module with the
+    parameters at ``slots`` gathered."""
+
+    def make(current: nn.Module):
+        def forward(*args, **kwargs):
+            with _SESSION.get().gathered(slots):
+                return current(*args, **kwargs)
+
+        return forward
+
+    return make
+
+
+def gathering_copy(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` whose blocks (``ftrain.blocks.find_blocks``) each gather their own
+    parameters while they run, and whose other parameters are gathered for the whole call."""
+    blocks = find_blocks(module)
+    inside = {id(m) for b in blocks for m in b.modules()}
+    root = [(m, n) for m in module.modules() if id(m) not in inside for n in m._parameters]
+    replacements = [
+        (b, _gathering([(m, n) for m in b.modules() for n in m._parameters])) for b in blocks
+    ]
+    return replace_forwards(module, [*replacements, (module, _gathering(root))])

@@ -1,0 +1,197 @@
+"""Laying a state out across processes: what each process keeps under ``ft.shard``.
+
+=========  ==============  ====================  ===============  ==================================
+strategy   params          grads after reduce    optimizer state  communication per step
+=========  ==============  ====================  ===============  ==================================
+``ddp``    whole           whole (all-reduce)    whole            all-reduce of the grads
+``zero1``  whole           whole (all-reduce)    1/W (Shard(0))   + all-gather of the updates
+``zero2``  whole           1/W (reduce-scatter)  1/W              reduce-scatter, all-gather updates
+``fsdp``   1/W (Shard(0))  1/W                   1/W              per block: all-gather params (in
+                                                                  forward and again in backward),
+                                                                  reduce-scatter its grads
+=========  ==============  ====================  ===============  ==================================
+
+:func:`shard_state` lays a whole state out for a strategy (each process copies out its own rows:
+no traffic); :func:`unshard_state` gathers it back whole, e.g. to save it. A whole state does not
+depend on the world size, so it shards again onto any number of processes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDictBase
+
+from ftrain import tree
+from ftrain.distributed.collectives import as_sharded, gather_leaves
+from ftrain.distributed.dtensor import is_dtensor, local, on_shards
+from ftrain.distributed.launch import check_mesh, require_group
+from ftrain.optim.base import GradientTransformation
+from ftrain.state import TrainState
+
+__all__ = [
+    "STRATEGIES",
+    "check_strategy",
+    "shard_state",
+    "unshard_state",
+    "unshard",
+    "shard_tree",
+    "local_bytes",
+    "zero_optimizer",
+]
+
+STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
+
+
+def check_strategy(strategy: object, fn: str) -> str:
+    """``strategy`` if it is one of :data:`STRATEGIES`, else an error naming ``fn``."""
+    if strategy not in STRATEGIES:
+        raise ValueError(
+            f"ft.{fn}(strategy={strategy!r}): unknown strategy; legal strategies are "
+            f"{', '.join(repr(s) for s in STRATEGIES)} (data parallel; ZeRO-1: optimizer state "
+            "sharded; ZeRO-2: gradients too; FSDP: parameters too)."
+        )
+    return strategy
+
+
+def unshard(td: TensorDictBase) -> TensorDictBase:
+    """``td`` with every DTensor leaf replaced by its whole, plain tensor (on every rank).
+
+    A collective: every process must call it. Plain leaves are returned as they are.
+    """
+    leaves = tree.leaves(td)
+    sharded = [t for t in leaves if is_dtensor(t)]
+    if not sharded:
+        return td
+    mesh = sharded[0].device_mesh
+    return tree.unflatten(td, gather_leaves(leaves, mesh))
+
+
+def unshard_state(state: TrainState) -> TrainState:
+    """A plain copy of a sharded state: every DTensor gathered into its whole tensor.
+
+    Every process must call it (it all-gathers); each gets the whole state. Save it from rank 0
+    with ``ft.save`` (the checkpoint then holds no DTensor and no trace of the world size), and
+    after ``ft.load`` give it back to :func:`shard_state`, with this or any other number of
+    processes.
+    """
+    if not isinstance(state, TrainState):
+        raise TypeError(
+            f"ft.unshard_state(state): expected an ft.TrainState, got {type(state).__name__}."
+        )
+    return state.replace(
+        params=unshard(state.params), opt_state=unshard(state.opt_state), extra=unshard(state.extra)
+    )
+
+
+def local_bytes(td: TensorDictBase | TrainState) -> int:
+    """Bytes this process holds for the tensors of ``td``: a DTensor counts its local shard."""
+    if isinstance(td, TrainState):
+        return sum(local_bytes(getattr(td, f)) for f in ("params", "opt_state", "extra"))
+    total = 0
+    for t in tree.leaves(td):
+        if is_dtensor(t):
+            t = local(t)
+        total += t.numel() * t.element_size()
+    return total
+
+
+def shard_tree(td: TensorDictBase, mesh, *, copy: bool) -> TensorDictBase:
+    """Every leaf with one or more dimensions as a ``Shard(0)`` DTensor; 0-d leaves stay plain."""
+    leaves = tree.leaves(td)
+    return tree.unflatten(
+        td, [as_sharded(t, mesh, copy=copy) if t.dim() > 0 else t for t in leaves]
+    )
+
+
+def _check_replicated(state: TrainState, group) -> None:
+    """Every rank must start from the same params: compare a checksum per leaf (one collective)."""
+    leaves = [t for t in tree.leaves(state.params) if not is_dtensor(t)]
+    if not leaves or dist.get_world_size(group) == 1:
+        return
+    sums = torch.stack([t.detach().double().sum() for t in leaves]).cpu()
+    if leaves[0].device.type == "cuda":
+        sums = sums.cuda()
+    low, high = sums.clone(), sums.clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
+    differs = ((low != high) & ~(low.isnan() & high.isnan())).nonzero().flatten().tolist()
+    if differs:
+        path = tree.paths(state.params)[differs[0]]
+        raise ValueError(
+            f"ft.shard_state: the params differ between processes (first: {path!r}). Every process "
+            "must start from the same state: build the model with the same seed everywhere, or "
+            "load the same checkpoint."
+        )
+
+
+def shard_state(state: TrainState, strategy: str = "ddp", mesh: Any = None) -> TrainState:
+    """Lay ``state`` out for ``ft.shard(step, strategy)``: this process keeps its shards.
+
+    ``ddp``: unchanged (plain, whole). ``zero1``/``zero2``: the optimizer state's tensors of one
+    or more dimensions become ``Shard(0)`` DTensors (counters stay plain). ``fsdp``: the params and
+    the tensors in ``state.extra`` too (e.g. ``ft.ema``'s average, which follows the params).
+
+    ``state`` must be the same whole state on every process (a fresh one from the same seed, or
+    one loaded from a checkpoint); this is checked (one small collective). No other traffic: each
+    process copies out its own rows, so the whole tensors can be freed afterwards. A state that is
+    already sharded is re-laid out (gathered first if needed), so ``shard_state`` is idempotent.
+    """
+    strategy = check_strategy(strategy, "shard_state")
+    require_group("shard_state")
+    mesh = check_mesh(mesh, "shard_state")
+    if not isinstance(state, TrainState):
+        raise TypeError(
+            f"ft.shard_state(state, ...): expected an ft.TrainState, got {type(state).__name__}."
+        )
+    _check_device(state, mesh)
+    if strategy != "fsdp" and any(is_dtensor(t) for t in tree.leaves(state.params)):
+        state = state.replace(params=unshard(state.params), extra=unshard(state.extra))
+    if strategy == "ddp" and any(is_dtensor(t) for t in tree.leaves(state.opt_state)):
+        state = state.replace(opt_state=unshard(state.opt_state))
+    _check_replicated(state, mesh.get_group())
+    if strategy == "ddp":
+        return state
+    opt_state = shard_tree(state.opt_state, mesh, copy=True)
+    if strategy != "fsdp":
+        return state.replace(opt_state=opt_state)
+    return state.replace(
+        params=shard_tree(state.params, mesh, copy=True),
+        opt_state=opt_state,
+        extra=shard_tree(state.extra, mesh, copy=True),
+    )
+
+
+def _check_device(state: TrainState, mesh) -> None:
+    for t in tree.leaves(state.params)[:1]:
+        if t.device.type != mesh.device_type:
+            raise ValueError(
+                f"ft.shard_state: the params are on {t.device.type} but the mesh is on "
+                f"{mesh.device_type} (gloo: cpu, NCCL: cuda). Move the state first, e.g. "
+                f"state = state.to('{mesh.device_type}')."
+            )
+
+
+def zero_optimizer(inner: GradientTransformation, mesh) -> GradientTransformation:
+    """zero1/zero2: ``inner`` run on this rank's rows: params and grads enter as ``Shard(0)`` DTensors (views,
+    no traffic), the sharded state stays sharded, the updates are all-gathered whole."""
+    inner = on_shards(inner)
+
+    def init(params):
+        return inner.init(shard_tree(params, mesh, copy=False))
+
+    def update(updates, state, params=None, *, inplace=False):
+        u = [as_sharded(x, mesh, copy=False) for x in tree.leaves(updates)]
+        u_td = tree.unflatten(updates, u)
+        p_td = None
+        if params is not None:
+            p_td = tree.unflatten(
+                params, [as_sharded(x, mesh, copy=False) for x in tree.leaves(params)]
+            )
+        new_u, new_state = inner.update(u_td, state, p_td, inplace=inplace)
+        whole = gather_leaves([as_sharded(x, mesh, copy=False) for x in tree.leaves(new_u)], mesh)
+        return tree.unflatten(updates, whole), new_state
+
+    return GradientTransformation(init, update)

@@ -1,0 +1,24 @@
+"""The train step: a record of (loss function, optimizer, transforms), its phases and the
+``Transform`` protocol its transforms use.
+
+    step = ft.train_step(loss_fn, optimizer)         # Step
+    step = ft.accumulate(step, 4)                    # a built-in transform
+    step = MyTransform(...)(step)                    # yours: the same protocol
+    state, metrics = step(state, batch)
+"""
+
+from ftrain.step.engine import AutogradEngine, GradEngine, Grads, reweighting
+from ftrain.step.record import Step, train_step
+from ftrain.step.transform import Gradients, StepFn, Transform
+
+__all__ = [
+    "AutogradEngine",
+    "GradEngine",
+    "Gradients",
+    "Grads",
+    "Step",
+    "StepFn",
+    "Transform",
+    "reweighting",
+    "train_step",
+]

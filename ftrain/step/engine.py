@@ -1,0 +1,126 @@
+"""Gradient engines: how a step turns micro-batches into the gradient of their summed loss.
+
+The default, :class:`AutogradEngine`, runs ``torch.autograd.grad`` over leaf copies of the params,
+one backward per micro-batch, and adds the results into one buffer. Not ``torch.func.grad``: that
+refuses saved-tensor hooks, which non-reentrant activation checkpointing uses. A transform swaps
+in another engine with its ``engine`` hook (``torch.func`` for ``ft.vmap``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, Protocol
+
+import torch
+from tensordict import TensorDict
+
+from ftrain import tree
+from ftrain.losses import Loss
+from ftrain.scoped import Scoped
+
+__all__ = ["Grads", "Forward", "GradEngine", "AutogradEngine", "reweighting", "nonzero"]
+
+# The step's forward: the loss of one micro-batch, and whether the loss function returned a
+# bf16/fp16 scalar mean (see AutogradEngine).
+Forward = Callable[[TensorDict, Any], tuple[Loss, bool]]
+
+
+class Grads(NamedTuple):
+    """What an engine returns."""
+
+    grads: list[torch.Tensor]  # of the summed loss totals (times the scale), params' leaf order
+    total: torch.Tensor  # fp32 sum of the micro-batches' loss totals (detached)
+    count: torch.Tensor  # sum of their counts (detached)
+    aux: dict[str, torch.Tensor]  # aux metrics averaged over micro-batches, with equal weight
+    owned: bool  # fresh buffers the step may overwrite; else autograd's own (they may alias)
+
+
+class GradEngine(Protocol):
+    """``engine(forward, params, pieces, scale) -> Grads``: run ``forward(params, piece)`` for
+    each piece and differentiate the summed ``Loss.total`` with respect to ``params`` (times
+    ``scale`` when given, a 0-d tensor). A parameter the loss does not use gets a zero gradient."""
+
+    def __call__(
+        self,
+        forward: Forward,
+        params: TensorDict,
+        pieces: Sequence[Any],
+        scale: torch.Tensor | None,
+    ) -> Grads: ...
+
+
+_REWEIGHTING = Scoped("ftrain.step.engine reweighting", False)
+
+
+def reweighting() -> bool:
+    """True during a backward whose gradients the engine multiplies by the local count afterwards
+    (see :class:`AutogradEngine`): code that reduces gradients across processes *during* backward
+    (fsdp's reduce-scatter) must then leave them local, to be reduced after the reweighting."""
+    return _REWEIGHTING.get()
+
+
+def nonzero(count: torch.Tensor) -> torch.Tensor:
+    """``count``, or 1 where it is 0 (an empty batch); a fractional count (weights) is kept."""
+    return torch.where(count != 0, count, torch.ones_like(count))
+
+
+class AutogradEngine:
+    """``torch.autograd.grad`` of each micro-batch's loss over leaf copies of the params, summed.
+
+    Usually each micro-batch's ``total`` is differentiated directly. Two cases backpropagate the
+    micro-batch's *mean* instead and multiply the result by its count, so that the gradient
+    entering the loss graph is O(1): with a loss ``scale`` (fp16), where ``total * scale`` would
+    overflow fp16 for large counts; and when the loss function returned a bf16/fp16 scalar mean,
+    where the count would be rounded on its way into the graph (257 rows is 256 in bf16: every
+    gradient off by 256/257). During such a backward :func:`reweighting` is True.
+    """
+
+    def __call__(
+        self,
+        forward: Forward,
+        params: TensorDict,
+        pieces: Sequence[Any],
+        scale: torch.Tensor | None,
+    ) -> Grads:
+        values, tdef = tree.flatten(params)
+        leaves = [p.detach().requires_grad_(True) for p in values]
+        p_in = tdef.unflatten(leaves)
+        grads: list[torch.Tensor] | None = None
+        total = count = None
+        owned = False
+        aux: dict[str, torch.Tensor] = {}
+        for piece in pieces:
+            loss, low_mean = forward(p_in, piece)
+            if scale is not None or low_mean:
+                n = nonzero(loss.count.detach().to(torch.float32))
+                factor = 1.0 / n if scale is None else scale / n
+                with _REWEIGHTING.using(True):
+                    g = torch.autograd.grad(loss.total * factor, leaves, allow_unused=True)
+                # weight by the count, out of place: the gradient of the sum, in fresh buffers
+                weighted = iter(torch._foreach_mul([x for x in g if x is not None], n))
+                g = [None if x is None else next(weighted) for x in g]
+                fresh = True
+            else:
+                g = torch.autograd.grad(loss.total, leaves, allow_unused=True)
+                fresh = False  # autograd's own: they may share memory ((a + b).sum() gives a
+                # and b one gradient tensor) or be broadcast views, so never written in place
+            if grads is None:  # later micro-batches add into these
+                grads = [gi if gi is not None else torch.zeros_like(p) for gi, p in zip(g, leaves)]
+                owned = fresh
+            elif not owned:  # the first micro-batch's are autograd's: add out of place, once
+                pairs = [(a, b) for a, b in zip(grads, g) if b is not None]
+                summed = iter(torch._foreach_add([a for a, _ in pairs], [b for _, b in pairs]))
+                grads = [a.clone() if b is None else next(summed) for a, b in zip(grads, g)]
+                owned = True
+            else:
+                present = [(a, b) for a, b in zip(grads, g) if b is not None]
+                torch._foreach_add_([a for a, _ in present], [b for _, b in present])
+            t, c = loss.total.detach().float(), loss.count.detach()
+            total, count = (t, c) if total is None else (total + t, count + c)
+            for k, v in loss.aux.items():
+                v = v.detach().float() / len(pieces)
+                aux[k] = v if k not in aux else aux[k] + v
+        return Grads(grads, total, count, aux, owned)
+
+    def __repr__(self) -> str:
+        return "AutogradEngine()"

@@ -1,0 +1,352 @@
+"""The train step as data: ``Step(loss_fn, optimizer, transforms)``, and ``train_step``.
+
+Calling a step runs one optimizer step in phases; the hooks of its transforms
+(:class:`ftrain.Transform`) act on each phase, in the order the transforms were applied:
+
+1. **set-up**  ``init`` hooks add their entries to ``state.extra``; the random generators are
+   seeded from ``(state.rng, state.step)`` (``ftrain.rng``); ``around_step`` contexts are entered.
+2. **forward** the batch is ``split`` into pieces; for each, ``loss_fn(params, piece)`` runs under
+   the ``around_forward`` contexts, with ``ft.apply`` running the ``rewrite`` of the model, and
+   its result is normalized into an ``ft.Loss`` (a sum and its count).
+3. **grad**    the gradient ``engine`` differentiates the summed totals (times any ``loss_scale``)
+   with respect to leaf copies of the params, one backward per piece, into one buffer.
+4. **reduce**  ``reduce`` hooks sum gradients, totals and counts across processes; then *one*
+   division by the whole batch's count (and the loss scale), so normalization is exact.
+5. **update**  ``gradients`` hooks see the result (change it, skip the update, add metrics or
+   state); the optimizer's pure update and ``params + updates`` follow, with no host sync.
+
+Phases 2-5 are :meth:`Step.core`; the ``wrap`` hooks (compile, ema) wrap it into the function the
+call runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import torch
+from tensordict import TensorDict
+
+from ftrain import rng, tree
+from ftrain.apply import ApplyCache, caching, rewriting
+from ftrain.losses import Loss, as_loss
+from ftrain.optim.base import GradientTransformation, LeafContext, leaf_update
+from ftrain.optim.transforms import global_norm
+from ftrain.state import TrainState
+from ftrain.step.engine import AutogradEngine, nonzero
+from ftrain.step.transform import Gradients, StepFn, Transform
+
+__all__ = ["Step", "train_step"]
+
+
+class _Hooks(NamedTuple):
+    """The transforms acting in each phase, worked out once when the step is built."""
+
+    init: tuple[Transform, ...]
+    around_step: tuple[Transform, ...]
+    split: tuple[Transform, ...]
+    around_forward: tuple[Transform, ...]
+    rewrites: tuple[Transform, ...]  # by rewrite_order, then as applied
+    loss_scale: Transform | None
+    reduce: tuple[Transform, ...]
+    gradients: tuple[Transform, ...]
+
+
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
+class Step:
+    """One optimizer step as data. Call it: ``state, metrics = step(state, batch)``.
+
+    Build it with :func:`train_step` and change it with transforms (``ft.accumulate(step, 4)``,
+    ``MyTransform(...)(step)``); each returns a new Step and leaves its argument as it was.
+    ``transforms`` holds what was applied, innermost first. The module docstring lists the phases.
+    """
+
+    loss_fn: Callable[..., Any]
+    optimizer: GradientTransformation
+    transforms: tuple[Transform, ...] = ()
+    donate: bool = False
+
+    def __post_init__(self) -> None:
+        ts = self.transforms
+        for i, t in enumerate(ts):
+            if not isinstance(t, Transform):
+                raise TypeError(f"Step(transforms=...): item {i} is {t!r}, not an ft.Transform.")
+        for i, t in enumerate(ts):
+            t.check(ts[:i], ts[i + 1 :])
+        using = {h: tuple(t for t in ts if t.uses(h)) for h in _Hooks._fields if h != "rewrites"}
+        scalers = using["loss_scale"]
+        if len(scalers) > 1:
+            raise ValueError(
+                f"{' and '.join(f'ft.{t.name}' for t in scalers)} both scale the loss; one "
+                "loss scale per step (fp16 autocast brings its own)."
+            )
+        rewrites = sorted((t for t in ts if t.uses("rewrite")), key=lambda t: t.rewrite_order)
+        hooks = _Hooks(**{**using, "loss_scale": scalers[0] if scalers else None}, rewrites=())
+        hooks = hooks._replace(rewrites=tuple(rewrites))
+        optimizer, engine = self.optimizer, AutogradEngine()
+        for t in ts:
+            optimizer = t.optimizer(optimizer) if t.uses("optimizer") else optimizer
+            engine = t.engine(engine) if t.uses("engine") else engine
+        derived = {
+            "_hooks": hooks,
+            "_engine": engine,
+            "_update": leaf_update(optimizer),
+            "_cache": ApplyCache(),
+        }
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)
+        fn: StepFn = self.core
+        for t in ts:
+            fn = t.wrap(fn) if t.uses("wrap") else fn
+        object.__setattr__(self, "_fn", fn)
+
+    # -- building ---------------------------------------------------------------------------
+    def add(self, transform: Transform) -> Step:
+        """A new step: this one with ``transform`` applied last (``transform(step)`` calls this).
+        Ordering rules are checked now."""
+        return dataclasses.replace(self, transforms=(*self.transforms, transform))
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The names of the transforms applied, innermost first."""
+        return tuple(t.name for t in self.transforms)
+
+    def __repr__(self) -> str:
+        name = getattr(self.loss_fn, "__qualname__", repr(self.loss_fn))
+        inner = ", ".join(map(repr, self.transforms))
+        return f"Step(loss_fn={name}, transforms=[{inner}], donate={self.donate})"
+
+    # -- phases -----------------------------------------------------------------------------
+    def init_extra(self, state: TrainState) -> TrainState:
+        """``state`` with the entries transforms keep in ``state.extra`` added where missing.
+
+        Calling the step does this itself; call it up front to give a compiled step its final
+        state structure from the first call, or to save a state before the first step.
+        """
+        for t in self._hooks.init:
+            state = t.init(state)
+        return state
+
+    @contextlib.contextmanager
+    def around_step(self, state: TrainState) -> Iterator[None]:
+        """The transforms' ``around_step`` contexts, entered in order (what a call runs inside)."""
+        with contextlib.ExitStack() as stack:
+            for t in self._hooks.around_step:
+                stack.enter_context(t.around_step(state))
+            yield
+
+    def split(self, batch: Any) -> list[Any]:
+        """The pieces (micro-batches) the step runs forward and backward one at a time."""
+        pieces = [batch]
+        for t in self._hooks.split:
+            pieces = [q for p in pieces for q in t.split(p)]
+        return pieces
+
+    def forward(self, params: TensorDict, batch: Any) -> Loss:
+        """The loss of one piece: ``loss_fn(params, batch)`` under the ``around_forward`` contexts,
+        with the model rewritten as the transforms say, normalized into an ``ft.Loss``."""
+        return self._forward(params, batch)[0]
+
+    def _forward(self, params: TensorDict, batch: Any) -> tuple[Loss, bool]:
+        contexts = [t.around_forward for t in self._hooks.around_forward]
+        rewrites = self._hooks.rewrites
+        if rewrites:
+            with rewriting(rewrites) as calls:
+                out = _within(contexts, params, lambda: self.loss_fn(params, batch))
+            if not calls.count:
+                names = ", ".join(f"ft.{t.name}" for t in rewrites)
+                raise RuntimeError(
+                    f"{names} acts on the model that the loss function calls through "
+                    "ft.apply(model, params, ...), but the loss function never called ft.apply. "
+                    "Call the model through ft.apply."
+                )
+        else:
+            out = _within(contexts, params, lambda: self.loss_fn(params, batch))
+        raw = out[0] if isinstance(out, tuple) and not isinstance(out, Loss) else out
+        low_mean = isinstance(raw, torch.Tensor) and raw.dtype in (torch.float16, torch.bfloat16)
+        return as_loss(out, batch), low_mean
+
+    def core(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
+        """Phases 2-5 (forward, grad, reduce, update), without the set-up or ``wrap`` hooks:
+        what ``ft.compile`` compiles."""
+        hooks = self._hooks
+        scaler = hooks.loss_scale
+        scale = scaler.loss_scale(state) if scaler is not None else None
+        grads, total, count, aux, owned = self._engine(
+            self._forward, state.params, self.split(batch), scale
+        )
+        if hooks.reduce:  # phase 4: sums across processes
+            sums = torch.stack([total.float(), count.float()])
+            for t in hooks.reduce:
+                new, sums = t.reduce(grads, sums)
+                # tensors handed back are still what they were; new ones are the step's own
+                owned = owned or not any(a is b for a, b in zip(new, grads))
+                grads = new
+            total, count = sums[0], sums[1]
+        denom = nonzero(count.to(torch.float32))  # the one division, by the whole batch's count
+        if scale is not None:
+            denom = denom * scale
+        if owned:
+            torch._foreach_div_(grads, denom)
+        else:  # autograd's own (see AutogradEngine): out of place, then the buffers are ours
+            grads = list(torch._foreach_div(grads, denom))
+        metrics = {
+            "loss": total / nonzero(count),
+            "count": count,
+            "grad_norm": _whole(global_norm(grads)),
+            **aux,
+        }
+        skip, extra = None, state.extra
+        if hooks.gradients:  # phase 5: what transforms make of the gradients
+            tdef = tree.structure(state.params)
+            g = Gradients(tdef.unflatten(grads), None, metrics, extra)
+            for t in hooks.gradients:
+                g = t.gradients(g, state)
+            grads, gdef = tree.flatten(g.grads)
+            if gdef != tdef:
+                raise ValueError(
+                    "a transform's gradients hook returned grads whose keys differ from the "
+                    f"params' ({gdef} vs {tdef}); keep the params' structure."
+                )
+            skip, metrics, extra = g.skip, g.metrics, g.extra
+        params, opt_state, lr = self._apply_update(state, grads, skip)
+        new_state = tree.new_tensorclass(
+            TrainState,
+            {
+                "params": params,
+                "opt_state": opt_state,
+                "step": state.step + 1,
+                "rng": state.rng,
+                "extra": extra,
+            },
+        )
+        loss, count, grad_norm = metrics.pop("loss"), metrics.pop("count"), metrics.pop("grad_norm")
+        return new_state, {
+            "loss": loss,
+            "count": count,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            **metrics,
+        }
+
+    def _apply_update(
+        self, state: TrainState, grads: list[torch.Tensor], skip: torch.Tensor | None
+    ) -> tuple[TensorDict, TensorDict, torch.Tensor]:
+        """The optimizer's update from normalized ``grads`` (which it may overwrite) and
+        ``params + updates``; a ``skip`` that is True changes nothing. Returns the new params, the
+        new optimizer state and the learning rate it recorded."""
+        p, tdef = tree.flatten(state.params)
+        s, sdef = tree.flatten(state.opt_state)
+        inplace = self.donate and skip is None
+        u, new_s = self._update(grads, s, p, LeafContext(tdef, sdef, inplace, True))
+        if skip is not None:
+            u = [torch.where(skip, torch.zeros_like(x), x) for x in u]
+            new_s = [torch.where(skip, o, n) for n, o in zip(new_s, s)]
+        if self.donate:  # params + updates, one multi-tensor kernel
+            torch._foreach_add_(p, u)
+        else:
+            p = list(torch._foreach_add(p, u))
+        lr = _find_lr(new_s, sdef)
+        if self.donate:  # most tensors are the input's own: keep the containers holding only them
+            return tdef.rebuild(p, state.params), sdef.rebuild(new_s, state.opt_state), lr
+        return tdef.unflatten(p), sdef.unflatten(new_s), lr
+
+    # -- calling ----------------------------------------------------------------------------
+    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
+        if not isinstance(state, TrainState):
+            raise TypeError(
+                f"step(state, batch): state must be an ft.TrainState, got {type(state).__name__}. "
+                "Create one with ft.TrainState.create(params, optimizer)."
+            )
+        state = self.init_extra(state)
+        device = tree.first_leaf(state.params).device
+        with caching(self._cache), rng.seeded(rng.step_seed(state), device):
+            if not self._hooks.around_step:
+                return self._fn(state, batch)
+            with self.around_step(state):
+                return self._fn(state, batch)
+
+
+def _within(factories: list[Callable], arg: Any, fn: Callable[[], Any]) -> Any:
+    """``fn()`` inside the contexts ``factory(arg)`` of ``factories``, the first outermost.
+
+    Nested ``with`` statements rather than an ``ExitStack``: dynamo traces ``with torch.autocast``
+    into the graph, but breaks the graph at the explicit ``__enter__`` call an ExitStack makes."""
+    if not factories:
+        return fn()
+    with factories[0](arg):
+        return _within(factories[1:], arg, fn)
+
+
+def _whole(x: torch.Tensor) -> torch.Tensor:
+    """A plain tensor for a value reduced from sharded (DTensor) gradients, e.g. their norm."""
+    if type(x) is torch.Tensor or not hasattr(x, "full_tensor"):
+        return x
+    return x.full_tensor()
+
+
+def _lr_index(sdef: tree.TreeDef) -> int | None:
+    # scale_by_learning_rate's state is {count, lr}: an `lr` leaf with a `count` sibling (a
+    # parameter named `lr` also gives `lr` leaves, inside moment trees, without one)
+    paths = set(sdef.paths)
+    return next(
+        (
+            i
+            for i, k in enumerate(sdef.paths)
+            if k.rsplit(".", 1)[-1] == "lr" and k[: -len("lr")] + "count" in paths
+        ),
+        None,
+    )
+
+
+def _find_lr(opt_state: list[torch.Tensor], sdef: tree.TreeDef) -> torch.Tensor:
+    """The ``lr`` leaf the optimizer recorded (from ``scale_by_learning_rate``), or NaN."""
+    index = sdef.derived("lr_index", _lr_index)
+    if index is None:
+        return torch.full((), float("nan"))
+    return opt_state[index]
+
+
+def train_step(
+    loss_fn: Callable[..., Any], optimizer: GradientTransformation, *, donate: bool = False
+) -> Step:
+    """The step ``(state, batch) -> (state, metrics)`` that minimizes ``loss_fn`` with ``optimizer``.
+
+    Args:
+        loss_fn: ``loss_fn(params, batch)`` returning an :class:`ftrain.Loss` (a sum and its
+            count), a scalar tensor (a mean over the batch rows), or ``(loss, aux_dict)``. It calls
+            the model through :func:`ftrain.apply`.
+        optimizer: an ``ftrain.optim`` :class:`GradientTransformation`.
+        donate: let the step update ``state``'s tensors in place (saves a copy of params and
+            optimizer state). The state passed in must not be used afterwards.
+
+    Guarantees: the input state is not modified (unless ``donate``); the same state and batch give
+    the same result (dropout included: the random stream comes from ``state.rng`` and
+    ``state.step``); gradients are those of ``sum(total) / sum(count)`` over the whole batch
+    (a count of 0 counts as 1; a fractional count, e.g. a sum of weights, is used as is);
+    metrics are 0-d tensors (``loss``, ``count``, ``grad_norm`` before any clipping, ``lr`` and the
+    loss's aux, each aux value averaged over micro-batches with equal weight), computed without a
+    host sync. A parameter the loss does not use gets a zero gradient, as in optax: the optimizer
+    still applies momentum and weight decay to it, where ``torch.optim`` skips a parameter whose
+    ``.grad`` is None.
+    """
+    if not callable(loss_fn):
+        raise TypeError(
+            f"train_step(loss_fn, ...): loss_fn must be callable as loss_fn(params, batch), "
+            f"got {type(loss_fn).__name__}."
+        )
+    if not isinstance(optimizer, GradientTransformation):
+        raise TypeError(
+            "train_step(loss_fn, optimizer): optimizer must be an ftrain.optim."
+            f"GradientTransformation (e.g. ftrain.optim.adamw(3e-4)), got {type(optimizer).__name__}."
+            + (
+                " torch.optim optimizers hold state inside; ftrain's are pure functions."
+                if isinstance(optimizer, torch.optim.Optimizer)
+                else ""
+            )
+        )
+    if not isinstance(donate, bool):
+        raise TypeError(f"train_step(donate=...): expected a bool, got {donate!r}.")
+    return Step(loss_fn=loss_fn, optimizer=optimizer, donate=donate)

@@ -1,0 +1,62 @@
+"""``ft.wrap``: a transform from a function that wraps the whole step."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ftrain.state import TrainState
+from ftrain.step import Step, StepFn, Transform
+
+__all__ = ["Wrap", "wrap"]
+
+
+class Wrap(Transform):
+    """The ``wrap`` hook (and optionally ``init``) from plain functions; see :func:`wrap`."""
+
+    def __init__(
+        self,
+        wrapper: Callable[[StepFn], StepFn],
+        *,
+        name: str = "wrap",
+        init: Callable[[TrainState], TrainState] | None = None,
+    ):
+        if not callable(wrapper):
+            raise TypeError("ft.wrap(step, wrapper): wrapper must be callable as wrapper(inner).")
+        if init is not None and not callable(init):
+            raise TypeError("ft.wrap(..., init=...): init must be callable as init(state).")
+        self.wrapper = wrapper
+        self.name = name
+        self.init_fn = init
+
+    def uses(self, hook: str) -> bool:
+        if hook == "init":
+            return self.init_fn is not None
+        return super().uses(hook)
+
+    def init(self, state: TrainState) -> TrainState:
+        return self.init_fn(state) if self.init_fn is not None else state
+
+    def wrap(self, fn: StepFn) -> StepFn:
+        return self.wrapper(fn)
+
+    def __repr__(self) -> str:
+        return f"Wrap({getattr(self.wrapper, '__qualname__', self.wrapper)!r}, name={self.name!r})"
+
+
+def wrap(
+    step: Step,
+    wrapper: Callable[[StepFn], StepFn],
+    *,
+    name: str = "wrap",
+    init: Callable[[TrainState], TrainState] | None = None,
+) -> Step:
+    """Add an outer layer to ``step``: the new step calls ``wrapper(inner)(state, batch)``.
+
+    The quickest way to add behaviour around a whole step (logging, a metric of the result).
+    ``wrapper`` must return a function with the step's signature and must not mutate its inputs.
+    ``init(state) -> state`` adds the entries the wrapper keeps in ``state.extra`` when they are
+    missing; the step runs it before every call, and ``step.init_extra(state)`` runs it up front.
+    To act *inside* the step (on the gradients, the forward, the batch split), subclass
+    ``ft.Transform`` instead: see docs/transforms.md.
+    """
+    return Wrap(wrapper, name=name, init=init)(step)
