@@ -32,15 +32,14 @@ from ftrain.models.moe import MoE
 from ftrain.models.onednn import Linear, linear
 
 # What GPTConfig.matmul selects: the layer class of every linear of the model, and the function of
-# the tied lm head (whose weight is the embedding's, so it is not a layer). Same parameters either way.
+# the tied lm head (whose weight is the embedding's, so it is not a layer). Same parameters either
+# way. The MoE experts' batched weights are not linears: they always use torch.mm.
 MATMULS = {
     # oneDNN for float32 products on an x86 CPU large enough to pay for its call (onednn.MIN_MACS;
     # about 2x MKL on AMD processors), F.linear everywhere else (GPU, bf16, autocast, small products)
     "auto": (Linear, linear),
-    "torch": (
-        nn.Linear,
-        F.linear,
-    ),  # PyTorch's own matmul everywhere (MKL on the CPU, cuBLAS on GPU)
+    # PyTorch's own matmul everywhere (MKL on the CPU, cuBLAS on a GPU)
+    "torch": (nn.Linear, F.linear),
 }
 
 
@@ -61,8 +60,7 @@ class GPTConfig:
     top_k: int = 1  # experts each token is sent to (MoE only); 1: Switch Transformer, 2: Mixtral
     aux_loss_weight: float = 0.01  # scales the balance loss in aux["moe_aux_loss"]; Switch: 0.01
     norm_eps: float = 1e-5  # LayerNorm epsilon
-    matmul: str = "auto"  # the linears' matmul, a key of MATMULS: "auto" = oneDNN for large CPU
-    # float32 products, else F.linear; "torch" = nn.Linear. The experts' batched weights use torch.mm
+    matmul: str = "auto"  # the linears' matmul, see MATMULS: "auto" (oneDNN on CPU) or "torch"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "d_model", "n_layer", "n_head"):
