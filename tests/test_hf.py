@@ -70,3 +70,15 @@ def test_hf_gpt2_params_round_trip_through_ft_save(tmp_path):
         want = ft.apply(model, state.params, x).logits
         got = plain(x).logits
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_tiny_gpt2_builds_a_small_stateless_template():
+    from ftrain.models import num_params, tiny_gpt2
+
+    model = tiny_gpt2(n_positions=16)
+    idx = torch.randint(0, 257, (3, 16), generator=torch.Generator().manual_seed(1))
+    assert model(idx).logits.shape == (3, 16, 257)
+    assert num_params(model) < 200_000
+    params = {k: torch.zeros_like(v) for k, v in model.named_parameters()}
+    out = torch.func.functional_call(model, params, (idx,)).logits
+    assert torch.equal(out, torch.zeros_like(out))  # usable as a stateless template

@@ -1,12 +1,14 @@
-"""Models for ftrain: a nanoGPT-style GPT (optionally mixture-of-experts), sampling, FLOP counts,
-and ``Linear``, an ``nn.Linear`` whose CPU float32 matmuls run in oneDNN.
+"""Models for ftrain: a nanoGPT-style GPT (``gpt``) with an optional mixture-of-experts feed-forward
+(``moe``), sampling, FLOP counts, and ``Linear``, an ``nn.Linear`` whose CPU float32 matmuls run in
+oneDNN (``onednn``).
 
 Any ``nn.Module`` works with ftrain; these are the ones the ``ftrain`` command and the tests use.
 """
 
 from ftrain.models.flops import flops_per_token, matmul_params_per_token, num_params
-from ftrain.models.gpt import GPT, MLP, Block, CausalSelfAttention, GPTConfig, MoE
+from ftrain.models.gpt import GPT, MLP, Block, CausalSelfAttention, GPTConfig
 from ftrain.models.hf import tiny_gpt2
+from ftrain.models.moe import MoE
 from ftrain.models.onednn import Linear, linear, onednn_linear_available
 from ftrain.models.sample import generate
 

@@ -16,7 +16,11 @@ The result is float32 matmul math in another summation order: it agrees with ``F
 float32 rounding (about 1e-6 relative), not bit for bit. Everything else (a GPU, other dtypes,
 ``torch.autocast`` on the CPU, tensor subclasses such as DTensor, ``torch.backends.mkldnn``
 switched off with ``torch.backends.mkldnn.flags(enabled=False)``, a machine that is not x86)
-takes ``F.linear`` unchanged.
+takes ``F.linear`` unchanged. ``GPTConfig.matmul`` chooses between this layer and ``nn.Linear``.
+
+This module is the adapter to two private torch APIs, used nowhere else in ftrain:
+``torch.ops.mkldnn._linear_pointwise`` (the oneDNN kernel) and
+``torch._C._functorch.is_functorch_wrapped_tensor`` (see ``_functorch_wrapped``).
 """
 
 from __future__ import annotations
@@ -28,7 +32,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-__all__ = ["linear", "Linear", "onednn_linear_available"]
+__all__ = [
+    "linear",
+    "Linear",
+    "onednn_linear_available",
+    "MATMUL_OPS",
+    "MIN_MACS",
+    "MIN_MACS_WEIGHT_GRAD",
+]
 
 
 def onednn_linear_available() -> bool:
@@ -50,13 +61,22 @@ MIN_MACS = 1 << 20
 MIN_MACS_WEIGHT_GRAD = 1 << 23
 
 
+def _linear_pointwise(
+    a: torch.Tensor, b_t: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    # Private torch API: oneDNN's linear, which inductor calls for frozen CPU inference. No public
+    # API sends a float32 CPU matmul to oneDNN; were F.linear to dispatch such matmuls there, this
+    # call (and the module) would be F.linear itself.
+    return torch.ops.mkldnn._linear_pointwise(a, b_t, bias, "none", [], "")
+
+
 @torch.library.custom_op("ftrain::onednn_linear", mutates_args=())
 def _onednn_linear_op(
     a: torch.Tensor, b_t: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """``a @ b_t.T (+ bias)`` in oneDNN, as one opaque op: what a compiled graph calls (inductor's
     own lowering of the oneDNN kernel accepts only frozen weights)."""
-    return torch.ops.mkldnn._linear_pointwise(a, b_t, bias, "none", [], "")
+    return _linear_pointwise(a, b_t, bias)
 
 
 @_onednn_linear_op.register_fake
@@ -64,8 +84,11 @@ def _(a, b_t, bias):
     return a.new_empty(*a.shape[:-1], b_t.shape[0])
 
 
-# The ops the oneDNN path runs: eager, and under torch.compile (what selective checkpointing saves).
-ONEDNN_MATMUL_OPS = tuple(
+#: The torch ops that ``linear`` runs its matmuls as on the oneDNN path: the kernel itself (eager)
+#: and the ``ftrain::onednn_linear`` custom op (under torch.compile). Activation checkpointing's
+#: "selective" policy saves these outputs as it does ``aten.mm``'s; on the F.linear path (and with
+#: ``GPTConfig(matmul="torch")``) the matmuls are ordinary aten ops and none of these appear.
+MATMUL_OPS = tuple(
     op
     for op in (
         getattr(getattr(torch.ops.mkldnn, "_linear_pointwise", None), "default", None),
@@ -73,13 +96,15 @@ ONEDNN_MATMUL_OPS = tuple(
     )
     if op is not None
 )
+# Alias of MATMUL_OPS for ftrain.transforms.checkpoint, until it imports MATMUL_OPS.
+ONEDNN_MATMUL_OPS = MATMUL_OPS
 
 
 def _mm(a: torch.Tensor, b_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``a @ b_t.T (+ bias)`` in oneDNN; ``a`` (..., k), ``b_t`` (n, k), any strides."""
     if torch.compiler.is_compiling():
         return _onednn_linear_op(a, b_t, bias)
-    return torch.ops.mkldnn._linear_pointwise(a, b_t, bias, "none", [], "")
+    return _linear_pointwise(a, b_t, bias)
 
 
 class _OneDNNLinear(torch.autograd.Function):
@@ -144,6 +169,8 @@ def _functorch_wrapped(*tensors: torch.Tensor | None) -> bool:
     wrappers the oneDNN kernel cannot take; those calls keep F.linear."""
     if torch.compiler.is_compiling():
         return False
+    # Private torch API: there is no public "is this a torch.func wrapper" query. A public route
+    # would be a vmap rule for the oneDNN op (torch.library.register_vmap), with no need to ask.
     wrapped = torch._C._functorch.is_functorch_wrapped_tensor
     return any(t is not None and wrapped(t) for t in tensors)
 

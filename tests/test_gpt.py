@@ -1,0 +1,253 @@
+"""ftrain.models.gpt: the GPT's shapes, purity, causality, weight tying, dropout, init, its config,
+and the matmul its linears use (GPTConfig.matmul)."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ftrain.models import GPT, GPTConfig, Linear, num_params, onednn_linear_available
+
+SMALL = dict(vocab_size=37, seq_len=16, d_model=32, n_layer=2, n_head=4)
+MOE = dict(SMALL, n_experts=4, top_k=2)
+
+
+def make(seed=0, **overrides):
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(**{**SMALL, **overrides}))
+
+
+def tokens(B=3, T=16, vocab=37, seed=1):
+    return torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+# --- shapes, state, purity -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kw", [SMALL, MOE], ids=["dense", "moe"])
+def test_logits_shape_and_aux(kw):
+    model = GPT(GPTConfig(**kw))
+    for T in (1, 7, 16):
+        assert model(tokens(T=T)).shape == (3, T, 37)
+    logits, aux = model(tokens(), return_aux=True)
+    assert logits.shape == (3, 16, 37)
+    if kw is SMALL:
+        assert aux == {}
+    else:
+        assert set(aux) == {"moe_aux_loss"} and aux["moe_aux_loss"].dim() == 0
+        assert aux["moe_aux_loss"].requires_grad
+
+
+def test_sequence_longer_than_seq_len_is_refused():
+    with pytest.raises(ValueError, match="seq_len=16"):
+        make()(tokens(T=17))
+
+
+def test_state_is_parameters_only():
+    for kw in (dict(), dict(tie_weights=False), dict(n_experts=2, bias=False)):
+        model = make(**kw)
+        assert list(model.buffers()) == []
+        params = dict(model.named_parameters())
+        assert list(model.state_dict()) == list(params)  # same keys, nothing stored twice
+        make(seed=1, **kw).load_state_dict(params)  # strict: a params file loads into a module
+
+
+@pytest.mark.parametrize("kw", [SMALL, MOE], ids=["dense", "moe"])
+def test_functional_call_is_pure(kw):
+    """Called through functional_call, the output depends on the given params only, and neither
+    the module's parameters nor its attributes change (nothing is stored on self)."""
+    torch.manual_seed(0)
+    template, other = GPT(GPTConfig(**kw)), GPT(GPTConfig(**kw))
+    before = {n: p.clone() for n, p in template.named_parameters()}
+    attrs = [sorted(vars(m)) for m in template.modules()]
+    params = dict(other.named_parameters())
+    got, got_aux = torch.func.functional_call(template, params, (tokens(),), {"return_aux": True})
+    want, want_aux = other(tokens(), return_aux=True)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(got_aux, want_aux, rtol=0, atol=0)
+    assert not torch.equal(got, template(tokens()))
+    for n, p in template.named_parameters():
+        assert torch.equal(p, before[n]), n
+    assert [sorted(vars(m)) for m in template.modules()] == attrs
+
+
+@pytest.mark.parametrize("kw", [SMALL, MOE], ids=["dense", "moe"])
+def test_every_parameter_gets_a_gradient(kw):
+    """train_step uses torch.autograd.grad, which raises on a parameter the loss does not use."""
+    model = GPT(GPTConfig(**kw))
+    idx = tokens(B=8)
+    logits, aux = model(idx, return_aux=True)
+    loss = F.cross_entropy(logits.flatten(0, 1), idx.roll(-1, 1).flatten()) + sum(aux.values())
+    names, params = zip(*model.named_parameters(), strict=True)
+    grads = torch.autograd.grad(loss, params)
+    for name, g in zip(names, grads, strict=True):
+        assert g.abs().sum() > 0, name
+
+
+# --- causality, tying, dropout, init -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kw", [SMALL, MOE], ids=["dense", "moe"])
+def test_causal(kw):
+    model = GPT(GPTConfig(**kw))
+    idx = tokens()
+    changed = idx.clone()
+    t = 9
+    changed[:, t] = (changed[:, t] + 1) % 37
+    a, b = model(idx), model(changed)
+    torch.testing.assert_close(a[:, :t], b[:, :t], rtol=0, atol=1e-6)
+    assert (a[:, t:] - b[:, t:]).abs().amax(dim=-1).min() > 1e-4  # every later position sees it
+
+
+def test_weight_tying_uses_the_embedding_as_lm_head():
+    idx = tokens(vocab=30)  # tokens 30..36 never appear in the input
+    for tie in (True, False):
+        model = make(tie_weights=tie)
+        before = model(idx)
+        with torch.no_grad():
+            model.wte.weight[33] += 1.0  # an embedding row only the lm head could read
+        moved = (model(idx) - before).abs()
+        if tie:
+            assert "lm_head.weight" not in dict(model.named_parameters())
+            assert moved[..., 33].min() > 0 and moved[..., :33].max() == 0
+            (grad,) = torch.autograd.grad(model(idx)[..., 33].sum(), model.wte.weight)
+            assert grad[33].abs().sum() > 0  # the head's gradient lands in the embedding
+        else:
+            assert model.lm_head.weight.data_ptr() != model.wte.weight.data_ptr()
+            assert moved.max() == 0
+    d, V = SMALL["d_model"], SMALL["vocab_size"]
+    assert num_params(make(tie_weights=False)) - num_params(make(tie_weights=True)) == V * d
+
+
+def test_dropout_zero_is_deterministic_in_training_mode():
+    model = make(dropout=0.0).train()
+    idx = tokens()
+    assert torch.equal(model(idx), model(idx))
+
+
+def test_dropout_acts_in_training_mode_only():
+    model = make(dropout=0.3, n_experts=2)
+    plain = make(dropout=0.0, n_experts=2)
+    plain.load_state_dict(model.state_dict())
+    idx = tokens()
+    model.train()
+    assert not torch.allclose(model(idx), model(idx))
+    model.eval()
+    torch.testing.assert_close(model(idx), plain(idx), rtol=0, atol=0)
+    torch.manual_seed(5)
+    a = model.train()(idx)
+    torch.manual_seed(5)
+    torch.testing.assert_close(model(idx), a, rtol=0, atol=0)  # dropout follows the torch seed
+
+
+@pytest.mark.parametrize("n_experts", [0, 2])
+def test_init_is_gpt2_style(n_experts):
+    model = make(d_model=128, n_layer=8, n_head=4, n_experts=n_experts)
+    resid = 0.02 / math.sqrt(2 * 8)
+    for name, p in model.named_parameters():
+        if name.endswith(("attn.proj.weight", "mlp.proj.weight", "mlp.w2")):
+            assert p.std().item() == pytest.approx(resid, rel=0.1), name
+        elif name.endswith(("bias", "b1", "b2")):
+            assert p.abs().max() == 0, name
+        elif "ln" in name:
+            assert torch.all(p == 1), name
+        else:  # embeddings, qkv, mlp.fc, experts' w1, router
+            assert p.std().item() == pytest.approx(0.02, rel=0.1), name
+
+
+# --- config --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        (dict(d_model=130, n_head=4), "d_model=130 must be divisible by n_head=4"),
+        (dict(n_experts=2, top_k=3), "top_k=3 must be <= n_experts=2"),
+        (dict(top_k=0), "top_k=0"),
+        (dict(n_experts=-1), "n_experts=-1"),
+        (dict(dropout=1.0), "dropout=1.0"),
+        (dict(dropout=-0.1), "dropout=-0.1"),
+        (dict(n_layer=0), "n_layer=0"),
+        (dict(vocab_size=0), "vocab_size=0"),
+        (dict(seq_len=2.5), "seq_len=2.5"),
+        (dict(n_head=True), "n_head=True"),
+        (dict(d_ff=0), "d_ff=0"),
+        (dict(aux_loss_weight=-1.0), "aux_loss_weight=-1.0"),
+        (dict(norm_eps=0.0), "norm_eps=0.0"),
+        (dict(matmul="onednn"), "matmul='onednn' must be one of \\['auto', 'torch'\\]"),
+    ],
+)
+def test_config_validation_names_the_field(kw, field):
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        GPTConfig(**kw)
+
+
+def test_config_defaults():
+    cfg = GPTConfig()
+    assert (cfg.vocab_size, cfg.seq_len, cfg.d_model, cfg.n_layer, cfg.n_head) == (
+        257,
+        128,
+        128,
+        4,
+        4,
+    )
+    assert cfg.ff_dim == 512 and cfg.head_dim == 32 and cfg.n_experts == 0
+    assert GPTConfig(d_ff=100).ff_dim == 100
+    GPTConfig(top_k=2)  # top_k is ignored by a dense model
+
+
+# --- which matmul the linears use ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kw", [SMALL, MOE], ids=["dense", "moe"])
+def test_matmul_selects_the_class_of_every_linear(kw):
+    """'auto' builds every linear (qkv, proj, fc, the MoE router, an untied lm head) as
+    ftrain.models.Linear, 'torch' as a plain nn.Linear; parameters are the same either way."""
+    built = {}
+    for matmul, cls in (("auto", Linear), ("torch", nn.Linear)):
+        model = make(**kw, tie_weights=False, matmul=matmul)
+        linears = {n: type(m) for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+        # per block: attn.qkv, attn.proj, then mlp.fc, mlp.proj or the MoE router; then lm_head
+        per_block = 4 if kw is SMALL else 3
+        assert len(linears) == SMALL["n_layer"] * per_block + 1, sorted(linears)
+        assert set(linears.values()) == {cls}, linears
+        built[matmul] = model
+    assert GPTConfig().matmul == "auto"
+    for (n, a), (m, b) in zip(
+        built["auto"].named_parameters(), built["torch"].named_parameters(), strict=True
+    ):
+        assert n == m and torch.equal(a, b), n  # same init from the same seed
+
+
+def took_onednn(y: torch.Tensor) -> bool:
+    return type(y.grad_fn).__name__ == "_OneDNNLinearBackward"
+
+
+@pytest.mark.parametrize("kw", [{}, dict(n_experts=2, top_k=1)], ids=["dense", "moe"])
+def test_auto_and_torch_matmuls_give_the_same_loss_and_gradients(kw):
+    """A GPT wide enough that 'auto' sends its matmuls to oneDNN (where this machine has it) and
+    the same GPT with 'torch' (F.linear): equal loss and gradients to float32 rounding."""
+    cfg = dict(vocab_size=64, seq_len=64, d_model=64, n_layer=2, n_head=2, **kw)
+    idx = tokens(B=8, T=64, vocab=64)
+    results = []
+    for matmul in ("auto", "torch"):
+        model = make(**cfg, matmul=matmul)
+        qkv = model.blocks[0].attn.qkv(torch.randn(8, 64, 64, requires_grad=True))
+        assert took_onednn(qkv) == (matmul == "auto" and onednn_linear_available())
+        logits, aux = model(idx, return_aux=True)
+        loss = F.cross_entropy(logits.flatten(0, 1), idx.roll(-1, 1).flatten())
+        loss = loss + sum(aux.values())
+        results.append([loss, *torch.autograd.grad(loss, list(model.parameters()))])
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    import ftrain.models.gpt
+
+    result = doctest.testmod(ftrain.models.gpt)
+    assert result.attempted > 0 and result.failed == 0
