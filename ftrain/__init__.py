@@ -10,7 +10,7 @@ step into a step::
 """
 
 from ftrain import data, distributed, losses, models, optim
-from ftrain.checkpoint_io import (
+from ftrain.io import (
     CheckpointError,
     latest_checkpoint,
     list_checkpoints,
