@@ -11,7 +11,7 @@ step into a step::
 
 from ftrain import data, distributed, losses, models, optim, rng, tree
 from ftrain.apply import apply
-from ftrain.checkpoint_io import (
+from ftrain.io import (
     CheckpointError,
     latest_checkpoint,
     list_checkpoints,

@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ftrain.checkpoint_io import CheckpointError
 from ftrain.config import add_arguments, from_args
+from ftrain.io import CheckpointError
 
 __all__ = ["main", "parser"]
 

@@ -1,7 +1,13 @@
-"""Suite-wide test settings."""
+"""Suite-wide test settings and shared fixtures."""
 
+import json
+import random
+
+import numpy as np
 import pytest
 import torch
+
+from ftrain import data
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -12,3 +18,48 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+# --- token builds (tests/test_data_build.py, tests/test_data_datasets.py) -------------------------
+
+
+@pytest.fixture(scope="session")
+def token_corpus(tmp_path_factory):
+    """40 UTF-8 files of varied length, plus one undecodable, one empty and one missing file
+    among them: ``(paths, texts of the 40 good files in order)``."""
+    root = tmp_path_factory.mktemp("corpus")
+    rng = random.Random(0)
+    words = ["def", "return", "x", "élan", "€", "self", "\n", "    ", "import", "🙂", "=", "(", ")"]
+    paths, texts = [], []
+    for i in range(40):
+        text = " ".join(rng.choice(words) for _ in range(rng.choice([3, 20, 80, 300])))
+        p = root / f"doc{i:02d}.py"
+        p.write_text(text, encoding="utf-8")
+        paths.append(p)
+        texts.append(text)
+    (root / "latin1.py").write_bytes("café = 1\n".encode("latin-1"))
+    (root / "empty.py").write_text("")
+    bad = [root / "latin1.py", root / "empty.py", root / "missing.py"]
+    return paths[:20] + bad + paths[20:], texts
+
+
+@pytest.fixture(scope="session")
+def token_build(token_corpus, tmp_path_factory):
+    """``token_corpus`` built with the default ByteTokenizer."""
+    out = tmp_path_factory.mktemp("built")
+    data.build_token_dataset(token_corpus[0], out, progress=False)
+    return out
+
+
+@pytest.fixture(scope="session")
+def read_docs():
+    """Reference reader: ``read_docs(path)`` is the list of documents of a build (token arrays,
+    each ending with eot), read from its files by hand."""
+
+    def read(path):
+        meta = json.loads((path / "meta.json").read_text())
+        tokens = np.fromfile(path / "tokens.bin", dtype=meta["dtype"])
+        offsets = np.load(path / "docs.npy")
+        return [tokens[a:b] for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
+
+    return read

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import ftrain as ft
-from ftrain.checkpoint_io import _meta_checksum
 from ftrain.cli import main
+from ftrain.io import meta_checksum
 
 TINY = [
     "--d-model", "32", "--n-layer", "2", "--n-head", "2", "--seq-len", "32", "--batch-size", "4",
@@ -102,7 +102,7 @@ def test_bias_flag_and_runs_saved_before_it(tmp_path, data_dir, capsys):
     meta_path = ft.latest_checkpoint(on) / "meta.json"  # as an older ftrain wrote it
     meta = json.loads(meta_path.read_text())
     del meta["extra"]["config"]["bias"]
-    meta["meta_sha256"] = _meta_checksum(meta)
+    meta["meta_sha256"] = meta_checksum(meta)
     meta_path.write_text(json.dumps(meta))
     capsys.readouterr()
     assert main(["sample", "--run", str(on), "--prompt", "def ", "--max-new-tokens", "5"]) == 0

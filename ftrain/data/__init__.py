@@ -12,17 +12,12 @@ Variable-length examples, length-bucketed and padded (with "mask"):
 """
 
 from ftrain.data import corpora
+from ftrain.data.build import BuildSummary, build_token_dataset
 from ftrain.data.collate import IGNORE_INDEX, PadCollate, padding_fraction, stack_collate
+from ftrain.data.datasets import DocumentDataset, TokenDataset, split_ranges
 from ftrain.data.order import BucketByLength, Sequential, Shuffled, bucket_by_length
 from ftrain.data.pipeline import Loader, LoaderIterator, loader
 from ftrain.data.tokenizers import ByteTokenizer
-from ftrain.data.tokens import (
-    BuildSummary,
-    DocumentDataset,
-    TokenDataset,
-    build_token_dataset,
-    split_ranges,
-)
 
 __all__ = [
     "IGNORE_INDEX",

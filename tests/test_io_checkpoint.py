@@ -1,15 +1,9 @@
-"""Tests for ftrain.checkpoint_io: exact round trips, verification, atomicity, run folders."""
+"""Tests for ftrain.io.checkpoint: exact round trips, like=, verification, no pickle, atomic save."""
 
-import contextlib
+import hashlib
+import json
 import os
 import pickle
-import random
-import signal
-import subprocess
-import sys
-import textwrap
-import threading
-import time
 import warnings
 
 import pytest
@@ -19,15 +13,16 @@ from tensordict import NonTensorData, TensorDict
 from torch import nn
 
 import ftrain as ft
-from ftrain.checkpoint_io import (
+from ftrain.io import (
     CheckpointError,
     CheckpointWarning,
     latest_checkpoint,
-    list_checkpoints,
     load,
     load_meta,
+    meta_checksum,
     save,
     save_checkpoint,
+    verify_checkpoint,
 )
 from ftrain.models import GPT, GPTConfig
 
@@ -382,169 +377,38 @@ def test_a_crash_while_replacing_leaves_the_old_checkpoint_loadable(
     assert_states_identical(new, load(path))
 
 
-def test_a_crash_while_writing_tensors_leaves_the_previous_checkpoint(
-    tmp_path, state_and_step, monkeypatch
-):
+# --- verify_checkpoint and meta_checksum ---------------------------------------------------------
+
+
+def test_verify_checkpoint_checks_every_file_without_loading(tmp_path, state_and_step):
     state, _ = state_and_step
-    save_checkpoint(tmp_path, state)
-    real = safetensors.torch.save_file
-
-    def half_written(tensors, filename, metadata=None):
-        real(tensors, filename, metadata=metadata)
-        with open(filename, "r+b") as f:
-            f.truncate(100)
-        raise OSError("simulated crash")
-
-    monkeypatch.setattr(safetensors.torch, "save_file", half_written)
-    with pytest.raises(OSError, match="simulated crash"):
-        save_checkpoint(tmp_path, at_step(state, 3))
-    monkeypatch.undo()
-    assert latest_checkpoint(tmp_path).name == "checkpoint-2"
-    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint-2"]
+    path = save(state, tmp_path / "ck", extra={"note": "x"})
+    meta = verify_checkpoint(path)
+    assert meta == load_meta(path) and meta["extra"] == {"note": "x"}
+    flip_byte(path / "state.safetensors")
+    with pytest.raises(CheckpointError, match=r"ck/state.safetensors is damaged \(sha256"):
+        verify_checkpoint(path)
+    with open(path / "params.safetensors", "ab") as f:
+        f.write(b"\0")
+    with pytest.raises(CheckpointError, match=r"params.safetensors is damaged \(size"):
+        verify_checkpoint(path)
+    with pytest.raises(CheckpointError, match="meta.json is missing"):
+        verify_checkpoint(tmp_path / "nowhere")
 
 
-# --- run folders ---------------------------------------------------------------------------------
-
-
-def at_step(state, n):
-    return with_fields(state, step=torch.tensor(n, dtype=torch.int64))
-
-
-def test_save_checkpoint_keeps_the_last_k(tmp_path, state_and_step):
+def test_meta_checksum_lets_a_tool_edit_meta_json(tmp_path, state_and_step):
     state, _ = state_and_step
-    for n in (1, 2, 3, 10, 11):
-        save_checkpoint(tmp_path, at_step(state, n), keep=2)
-    assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-10", "checkpoint-11"]
-    path = save_checkpoint(tmp_path, at_step(state, 5), keep=2)  # resumed from an older one
-    assert path.name == "checkpoint-5"  # the one just written is always kept
-    assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-5", "checkpoint-11"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-11", "checkpoint-5"]
-    for n in (20, 21):
-        save_checkpoint(tmp_path, at_step(state, n), keep=None)
-    assert len(list_checkpoints(tmp_path)) == 4
-    with pytest.raises(ValueError, match="keep must be an int >= 1"):
-        save_checkpoint(tmp_path, state, keep=0)
-
-
-def test_latest_checkpoint_passes_over_broken_ones(tmp_path, state_and_step):
-    state, _ = state_and_step
-    assert latest_checkpoint(tmp_path / "missing") is None
-    assert latest_checkpoint(tmp_path) is None
-    for n in (1, 2, 3):
-        save_checkpoint(tmp_path, at_step(state, n), keep=5)
-    assert latest_checkpoint(tmp_path).name == "checkpoint-3"
-    flip_byte(tmp_path / "checkpoint-3" / "params.safetensors")
-    (tmp_path / "checkpoint-2" / "meta.json").unlink()
-    (tmp_path / "checkpoint-4.tmp-0123abcd").mkdir()  # an interrupted save
-    with pytest.warns(CheckpointWarning) as caught:
-        found = latest_checkpoint(tmp_path)
-    assert found.name == "checkpoint-1"
-    assert load(found).step.item() == 1
-    messages = "\n".join(str(w.message) for w in caught)
-    assert "checkpoint-3/params.safetensors is damaged" in messages
-    assert "checkpoint-2/meta.json is missing" in messages
-    assert "checkpoint-4.tmp-0123abcd" in messages
-
-
-# --- kill -9 -------------------------------------------------------------------------------------
-
-# Imports torch once, then per "go" line forks a child that resumes from the newest checkpoint and,
-# every iteration, saves a new run checkpoint and replaces the fixed checkpoint LAST, until the
-# test kills it with SIGKILL.
-ZYGOTE = textwrap.dedent(
-    """
-    import os, sys, traceback
-    import torch
-    from tensordict import NonTensorData, TensorDict
-    import ftrain as ft
-    from ftrain.checkpoint_io import latest_checkpoint, load, save, save_checkpoint
-
-    torch.set_num_threads(1)
-    run_dir, last = sys.argv[1:]
-    for line in sys.stdin:
-        pid = os.fork()
-        if pid == 0:
-            try:
-                path = latest_checkpoint(run_dir)
-                if path is None:
-                    params = TensorDict({"w": torch.zeros(512, 1024)}, batch_size=[])
-                    state = ft.TrainState.create(params, ft.optim.adamw(1e-3))
-                else:
-                    state = load(path)
-                while True:
-                    n = int(state.step) + 1
-                    state = ft.TrainState(
-                        params=state.params.apply(lambda t: torch.full_like(t, float(n))),
-                        opt_state=state.opt_state,
-                        step=torch.tensor(n),
-                        rng=state.rng,
-                        extra=state.extra,
-                        batch_size=[],
-                    )
-                    save_checkpoint(run_dir, state, keep=2, extra={"step": n})
-                    save(state, last, extra={"step": n})
-                    print("saved", n, flush=True)
-            except BaseException:
-                traceback.print_exc()
-            finally:
-                os._exit(1)
-        print("child", pid, flush=True)
-        os.waitpid(pid, 0)
-        print("dead", flush=True)
-    """
-)
-
-
-def assert_whole(path, newer_than):
-    """The checkpoint at ``path`` verifies, holds what the loop saved, and is not older than
-    ``newer_than``. Returns its step."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", CheckpointWarning)  # passed-over leftovers
-        state, meta = load(path), load_meta(path)
-    n = int(state.step)
-    assert n >= newer_than and meta["step"] == n and meta["extra"] == {"step": n}
-    assert torch.equal(state.params["w"], torch.full((512, 1024), float(n)))
-    return n
-
-
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork and SIGKILL")
-def test_kill_9_at_random_moments_always_leaves_a_valid_checkpoint(tmp_path):
-    run_dir, last = tmp_path / "run", tmp_path / "last"
-    zygote = subprocess.Popen(
-        [sys.executable, "-c", ZYGOTE, str(run_dir), str(last)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    watchdog = threading.Timer(120, zygote.kill)  # a hung child fails the test, never stalls it
-    watchdog.start()
-    rng = random.Random(0)
-    run_step = last_step = 0
-    child = None
-    try:
-        for _ in range(5):
-            zygote.stdin.write("go\n")
-            zygote.stdin.flush()
-            kind, child = zygote.stdout.readline().split()
-            assert kind == "child"
-            child = int(child)
-            line = zygote.stdout.readline()  # the child's first save after resuming
-            assert line.startswith("saved"), line
-            time.sleep(rng.uniform(0.0, 0.2))
-            os.kill(child, signal.SIGKILL)
-            while (line := zygote.stdout.readline()).startswith("saved"):
-                pass
-            assert line == "dead\n", line
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", CheckpointWarning)
-                path = latest_checkpoint(run_dir)
-            assert path is not None
-            run_step = assert_whole(path, newer_than=run_step + 1)  # resumed, saved at least once
-            last_step = assert_whole(last, newer_than=last_step)  # replaced in place, never torn
-    finally:
-        if child is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(child, signal.SIGKILL)
-        watchdog.cancel()
-        zygote.kill()
-        zygote.wait()
+    path = save(state, tmp_path / "ck", extra={"lr": 0.25})
+    meta = json.loads((path / "meta.json").read_text())
+    # independent reference: sha256 of the canonical JSON of every other key
+    body = {k: v for k, v in meta.items() if k != "meta_sha256"}
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    assert meta_checksum(meta) == meta["meta_sha256"] == hashlib.sha256(canonical).hexdigest()
+    meta["extra"]["lr"] = 0.5
+    (path / "meta.json").write_text(json.dumps(meta))  # edited, checksum stale
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        load_meta(path)
+    meta["meta_sha256"] = meta_checksum(meta)
+    (path / "meta.json").write_text(json.dumps(meta))
+    assert load_meta(path)["extra"] == {"lr": 0.5}
+    assert_states_identical(state, load(path))
