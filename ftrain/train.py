@@ -33,7 +33,7 @@ import torch
 
 import ftrain as ft
 from ftrain import data, optim
-from ftrain.config import TrainConfig, _flag
+from ftrain.config import TrainConfig, flag_name
 from ftrain.models import GPT, GPTConfig, generate
 from ftrain.transforms.shard import shard, shard_state, unshard, unshard_state
 
@@ -537,7 +537,7 @@ def _check_resumed_config(cfg: TrainConfig, saved: dict[str, Any], main: bool) -
         for k in now
         if k in saved and k not in _NOT_COMPARED and saved[k] != now[k]
     }
-    fixed = [f"--{_flag(k)} {a!r} -> {b!r}" for k, (a, b) in diff.items() if k in RESUME_FIXED]
+    fixed = [f"--{flag_name(k)} {a!r} -> {b!r}" for k, (a, b) in diff.items() if k in RESUME_FIXED]
     if fixed:
         print(
             f"ftrain train: error: --resume: these settings differ from the checkpoint's and "
@@ -546,7 +546,7 @@ def _check_resumed_config(cfg: TrainConfig, saved: dict[str, Any], main: bool) -
             file=sys.stderr,
         )
         raise SystemExit(2)
-    changed = [f"--{_flag(k)} {a!r} -> {b!r}" for k, (a, b) in diff.items()]
+    changed = [f"--{flag_name(k)} {a!r} -> {b!r}" for k, (a, b) in diff.items()]
     if changed and main:
         print(
             f"ftrain train: note: --resume with changed settings: {', '.join(changed)}",
