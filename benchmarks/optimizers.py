@@ -15,7 +15,7 @@ from ftrain import optim
 from ftrain.config import TrainConfig
 from ftrain.optim.lamb import lamb
 from ftrain.optim.quantized import adamw8bit
-from ftrain.train import build_model
+from ftrain.recipes.gpt import build_model
 
 TARGETS = {"adamw": "8", "adafactor": "≤ 4.1", "adamw8bit": "≤ 2.1"}
 

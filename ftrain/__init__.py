@@ -11,6 +11,7 @@ step into a step::
 
 from ftrain import data, distributed, losses, models, optim, rng, tree
 from ftrain.apply import apply
+from ftrain.distributed import shard_state, unshard_state
 from ftrain.io import (
     CheckpointError,
     latest_checkpoint,
@@ -20,7 +21,6 @@ from ftrain.io import (
     save,
     save_checkpoint,
 )
-from ftrain.distributed import shard_state, unshard_state
 from ftrain.losses import Loss
 from ftrain.state import TrainState, buffers_of, params_of, state_dict_of
 from ftrain.step import Gradients, Step, Transform, train_step

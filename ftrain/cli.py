@@ -1,7 +1,11 @@
 """The ``ftrain`` command: ``ftrain train`` and ``ftrain sample``.
 
+    ftrain train --help                           # every setting of ftrain.config.TrainConfig
+    ftrain train --out runs/a                     # ftrain.loop.train with the built-in recipe
+    ftrain sample --run runs/a --prompt "def "    # ftrain.recipes.gpt.sample
+
 Bad flags get argparse's usage message and exit code 2, never a traceback; a damaged checkpoint
-gets its message and exit code 1.
+gets its message and exit code 1; a run stopped by Ctrl-C (its checkpoint saved) exits with 130.
 """
 
 from __future__ import annotations
@@ -9,8 +13,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+import ftrain as ft
 from ftrain.config import add_arguments, from_args
-from ftrain.io import CheckpointError
 
 __all__ = ["main", "parser"]
 
@@ -44,7 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     ns = p.parse_args(argv)
     if ns.command == "train":
         sub = p._subparsers._group_actions[0].choices["train"]  # for error messages
-        from ftrain.train import check_out, keep_freed_memory, train
+        from ftrain.loop import train
+        from ftrain.process import keep_freed_memory
+        from ftrain.rundir import check_out
 
         try:
             cfg = from_args(ns)
@@ -55,20 +61,20 @@ def main(argv: list[str] | None = None) -> int:
         keep_freed_memory()  # this process trains: no page faults on every step's activations
         try:
             summary = train(cfg)
-        except CheckpointError as e:  # a damaged checkpoint: its message says which and why
+        except ft.CheckpointError as e:  # a damaged checkpoint: its message says which and why
             print(f"ftrain train: {e}", file=sys.stderr)
             return 1
         return 130 if summary.get("interrupted") else 0
     if ns.command == "sample":
         if ns.max_new_tokens < 1 or ns.temperature < 0 or ns.top_k < 0:
             p.error("sample: --max-new-tokens >= 1, --temperature >= 0 and --top-k >= 0")
-        from ftrain.train import sample
+        from ftrain.recipes.gpt import sample
 
         try:
             text = sample(
                 ns.run, ns.prompt, ns.max_new_tokens, ns.temperature, ns.top_k or None, ns.seed
             )
-        except CheckpointError as e:
+        except ft.CheckpointError as e:
             print(f"ftrain sample: {e}", file=sys.stderr)
             return 1
         print(text)

@@ -18,7 +18,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["TrainConfig", "add_arguments", "from_args", "load_toml"]
+__all__ = ["TrainConfig", "add_arguments", "flag_name", "from_args", "load_toml"]
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 CHECKPOINT_POLICIES = ("none", "blocks", "selective")
@@ -105,7 +105,7 @@ class TrainConfig:
         )
         for name in positive:
             if getattr(self, name) < 1:
-                raise ValueError(f"--{_flag(name)} must be >= 1, got {getattr(self, name)}")
+                raise ValueError(f"--{flag_name(name)} must be >= 1, got {getattr(self, name)}")
         for name in (
             "eval_every",
             "save_every",
@@ -115,7 +115,7 @@ class TrainConfig:
             "n_experts",
         ):
             if getattr(self, name) < 0:
-                raise ValueError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")
+                raise ValueError(f"--{flag_name(name)} must be >= 0, got {getattr(self, name)}")
         if self.d_model % self.n_head:
             raise ValueError(
                 f"--d-model ({self.d_model}) must be divisible by --n-head ({self.n_head})"
@@ -138,7 +138,7 @@ class TrainConfig:
         ):
             if getattr(self, name) not in legal:
                 raise ValueError(
-                    f"--{_flag(name)} must be one of {legal}, got {getattr(self, name)!r}"
+                    f"--{flag_name(name)} must be one of {legal}, got {getattr(self, name)!r}"
                 )
         if self.compile and self.shard == "fsdp":
             raise ValueError(
@@ -156,7 +156,9 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
-def _flag(name: str) -> str:
+def flag_name(name: str) -> str:
+    """The command-line flag of a :class:`TrainConfig` field, without its dashes:
+    ``flag_name("d_model") == "d-model"`` (``--d-model``)."""
     return name.replace("_", "-")
 
 
@@ -186,7 +188,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             kw["type"] = typ
             kw["help"] = f"{help_text} (default: {default})"
             kw.update(meta)
-        parser.add_argument(f"--{_flag(f.name)}", **kw)
+        parser.add_argument(f"--{flag_name(f.name)}", **kw)
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:

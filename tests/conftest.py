@@ -63,3 +63,19 @@ def read_docs():
         return [tokens[a:b] for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
 
     return read
+
+
+# --- the ftrain command (tests/test_cli.py, tests/test_loop.py) -------------------------------
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory) -> list[str]:
+    """`ftrain train` flags for a tiny, fast run: a GPT of width 32 with 2 blocks on 32-byte rows,
+    4 rows a batch, a metrics line every step, no evaluation, sample or progress bar. The token
+    cache they name is built by the first run and shared by the session."""
+    tokens = str(tmp_path_factory.mktemp("tokens"))
+    return [
+        "--d-model", "32", "--n-layer", "2", "--n-head", "2", "--seq-len", "32",
+        "--batch-size", "4", "--eval-every", "0", "--sample-tokens", "0", "--no-progress",
+        "--log-every", "1", "--data-dir", tokens,
+    ]  # fmt: skip

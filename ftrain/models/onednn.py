@@ -96,8 +96,6 @@ MATMUL_OPS = tuple(
     )
     if op is not None
 )
-# Alias of MATMUL_OPS for ftrain.transforms.checkpoint, until it imports MATMUL_OPS.
-ONEDNN_MATMUL_OPS = MATMUL_OPS
 
 
 def _mm(a: torch.Tensor, b_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

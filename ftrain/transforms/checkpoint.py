@@ -20,7 +20,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from ftrain.blocks import find_blocks, replace_forwards
-from ftrain.models.onednn import ONEDNN_MATMUL_OPS
+from ftrain.models.onednn import MATMUL_OPS
 from ftrain.step import Step, Transform
 
 __all__ = ["Checkpoint", "checkpoint", "POLICIES", "SAVE_OPS"]
@@ -47,7 +47,7 @@ SAVE_OPS = frozenset(
             )
             if hasattr(_aten, name)
         ),
-        *ONEDNN_MATMUL_OPS,  # ftrain.models.Linear's matmuls on the CPU
+        *MATMUL_OPS,  # ftrain.models.Linear's matmuls on the CPU
     }
 )
 

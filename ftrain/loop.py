@@ -1,0 +1,378 @@
+"""The training loop of ``ftrain train``: steps, evaluation, Ctrl-C, resume and checkpoints.
+
+    ftrain train --max-steps 600 --out runs/a      # Ctrl-C saves a checkpoint and exits (130)
+    ftrain train --out runs/a --resume             # continue from the newest valid checkpoint
+    torchrun --nproc_per_node 2 -m ftrain train --shard ddp
+
+    from ftrain.config import TrainConfig
+    from ftrain.loop import train
+    summary = train(TrainConfig(max_steps=100, out="runs/a"))   # {"step", "loss", "seconds", ...}
+
+:func:`train` reads top to bottom: resolve the settings, open the run folder, build the recipe
+(``ftrain.recipes.gpt``), restore a checkpoint, run the steps, save, report. Everything a resumed
+run needs (params, optimizer state, step, RNG key, loss scale, data position) is in the checkpoint,
+so a run stopped and resumed gives the same result, bit for bit on a CPU, as one that never stopped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import ftrain as ft
+from ftrain import distributed, rundir
+from ftrain.config import TrainConfig, flag_name
+
+# The one import of the sharding helpers (the recipe composes the step with the public ft.shard).
+from ftrain.distributed import shard_state, unshard, unshard_state
+from ftrain.recipes import gpt
+
+__all__ = ["RESUME_FIXED", "evaluate", "train"]
+
+
+def train(cfg: TrainConfig) -> dict[str, Any]:
+    """Train as ``cfg`` says; returns a summary (``step``, ``seconds``, ``out``, the last logged
+    metrics, ``val_loss``, and ``interrupted`` after a Ctrl-C).
+
+    ``cfg`` is not changed. The settings the run resolves (the shard strategy under torchrun,
+    ``micro_batches`` from ``global_batch_size``) are a new TrainConfig, which config.json and
+    every checkpoint record.
+    """
+    cfg, rank, world = _launch(cfg)
+    main = rank == 0
+    out = Path(_from_rank0(str(rundir.prepare_out(cfg)) if main else None, world))
+    recipe = gpt.build(cfg, rank=rank, world=world, quiet=not main)
+    run = _Run(cfg, rank, world, out, recipe)
+    state, start = _restore(run)
+    if cfg.shard != "none":
+        state = shard_state(state, cfg.shard)  # whole tensors -> this process's layout
+    log = rundir.MetricsLog(out / "metrics.jsonl", start) if main else None
+    if main:
+        rundir.write_config(out, cfg)
+    report = _Report(run, log, start)
+    state, interrupted = _train_steps(run, state, start, report)
+    report.close()
+    _save(run, state)
+    return _finish(run, state, report, interrupted)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """What stays fixed while one process trains (the state is passed along, never stored)."""
+
+    cfg: TrainConfig  # resolved by _launch
+    rank: int
+    world: int
+    out: Path  # rank 0's run folder, on every process
+    recipe: gpt.Recipe
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def _launch(cfg: TrainConfig) -> tuple[TrainConfig, int, int]:
+    """Join the process group under torchrun; returns the resolved settings, rank and world size.
+
+    The settings are a new TrainConfig (``dataclasses.replace``): under torchrun without
+    ``--shard``, ``shard="ddp"`` (plain data parallelism); with ``--global-batch-size``,
+    ``micro_batches = global_batch_size / (batch_size x world)``.
+    """
+    if cfg.shard == "none" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        cfg = dataclasses.replace(cfg, shard="ddp")
+    if cfg.shard != "none":
+        try:
+            distributed.init()
+        except RuntimeError as e:
+            raise SystemExit(f"ftrain train: --shard {cfg.shard}: {e}") from None
+    rank, world = distributed.rank_and_world()
+    if cfg.global_batch_size is not None:
+        per_step = cfg.batch_size * world
+        if cfg.global_batch_size % per_step:
+            raise SystemExit(
+                f"ftrain train: --global-batch-size {cfg.global_batch_size} must be a multiple of "
+                f"--batch-size x world size = {cfg.batch_size} x {world} = {per_step}"
+            )
+        cfg = dataclasses.replace(cfg, micro_batches=cfg.global_batch_size // per_step)
+    return cfg, rank, world
+
+
+# -- resume -------------------------------------------------------------------------------------
+def _restore(run: _Run) -> tuple[ft.TrainState, int]:
+    """The recipe's state at step 0, or on ``--resume`` the newest valid checkpoint's (after
+    checking that it continues this run) with the data position restored; and its step."""
+    cfg, state = run.cfg, run.recipe.state
+    if not cfg.resume:
+        return state, 0
+    # rank 0 looks (latest_checkpoint may tidy what an interrupted save left); all load
+    latest = _from_rank0(ft.latest_checkpoint(run.out) if run.main else None, run.world)
+    if latest is None:
+        if run.main:
+            print(f"ftrain train: --resume: no checkpoint in {run.out}; starting from step 0")
+        return state, 0
+    meta = ft.load_meta(latest)
+    _check_world_size(meta, run.world)
+    _check_resumed_config(cfg, rundir.saved_config(meta), run.main)
+    state = ft.load(latest, like=state)  # whole tensors: the caller lays them out
+    extra = meta["extra"]
+    run.recipe.loader.load_state_dict(extra.get("loaders", [extra["loader"]])[run.rank])
+    start = int(state.step)
+    if run.main:
+        print(f"ftrain train: resumed from {latest} (step {start})")
+    return state, start
+
+
+def _check_world_size(meta: dict, world: int) -> None:
+    """Refuse to resume with another number of processes: each process's share of the data and
+    the global batch depend on it, so the run would not continue as it would have."""
+    saved = meta["extra"].get("world_size", 1)
+    if saved != world:
+        raise SystemExit(
+            f"ftrain train: --resume: the checkpoint was written by {saved} process(es), this run "
+            f"has {world}. The data each process reads and the global batch depend on that number, "
+            f"so the run would not continue as it would have: resume with "
+            f"`torchrun --nproc_per_node {saved} -m ftrain train ... --resume`. (The state itself is "
+            "saved whole: ft.load(path) and ft.shard_state(state, strategy) lay it out for any "
+            "number of processes, e.g. to fine-tune from it.)"
+        )
+
+
+# Settings that fix the model, the data or the random stream: a run cannot continue exactly
+# with another value. The others (lr, max_steps, logging, ...) may change on --resume.
+RESUME_FIXED = ("seed", "seq_len", "d_model", "n_layer", "n_head", "bias", "n_experts", "top_k",
+                "batch_size", "data_dir")  # fmt: skip
+_NOT_COMPARED = ("out", "resume", "config", "progress")
+
+
+def _check_resumed_config(cfg: TrainConfig, saved: dict[str, Any], main: bool) -> None:
+    """On --resume: a setting of RESUME_FIXED that differs from the checkpoint's is a usage error
+    (exit 2) naming each, saved and new value; other changes get a one-line note on stderr."""
+    now = cfg.to_dict()
+    diff = {
+        k: (saved[k], now[k])
+        for k in now
+        if k in saved and k not in _NOT_COMPARED and saved[k] != now[k]
+    }
+    fixed = [f"--{flag_name(k)} {a!r} -> {b!r}" for k, (a, b) in diff.items() if k in RESUME_FIXED]
+    if fixed:
+        print(
+            f"ftrain train: error: --resume: these settings differ from the checkpoint's and "
+            f"would not continue the same run: {', '.join(fixed)} (saved -> new); resume with "
+            f"the saved values, or train into another --out for a new run",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
+    changed = [f"--{flag_name(k)} {a!r} -> {b!r}" for k, (a, b) in diff.items()]
+    if changed and main:
+        print(
+            f"ftrain train: note: --resume with changed settings: {', '.join(changed)}",
+            file=sys.stderr,
+        )
+
+
+# -- the steps ----------------------------------------------------------------------------------
+def _train_steps(
+    run: _Run, state: ft.TrainState, start: int, report: _Report
+) -> tuple[ft.TrainState, bool]:
+    """Steps ``start + 1`` to ``max_steps``, logging, evaluating and saving on their schedules;
+    returns the state and whether a Ctrl-C stopped it early (always after a whole step)."""
+    cfg, recipe = run.cfg, run.recipe
+    # Leaving the block stops the loader's threads (its position, saved after, stays).
+    with iter(recipe.loader) as batches, _deferred_interrupt() as flag:
+        for n in range(start + 1, cfg.max_steps + 1):
+            state, metrics = recipe.step(state, next(batches))
+            if n % cfg.log_every == 0 or n == cfg.max_steps:
+                report.metrics(n, metrics)
+            if cfg.eval_every and n % cfg.eval_every == 0:
+                params = unshard(state.params)  # under fsdp a collective: every process
+                if run.main:
+                    report.validation(n, evaluate(recipe.model, params, recipe.valid, cfg))
+            if cfg.save_every and n % cfg.save_every == 0 and n != cfg.max_steps:
+                _save(run, state)
+            report.advance()
+            if run.world > 1:  # stop together: a process that stops alone leaves the others waiting
+                flag["stop"] = any(_all_ranks(flag["stop"], run.world))
+            if flag["stop"]:
+                return state, True
+    return state, False
+
+
+class _Report:
+    """Where a log step's numbers go: metrics.jsonl and the progress bar (rank 0 only)."""
+
+    def __init__(self, run: _Run, log: rundir.MetricsLog | None, start: int):
+        cfg = run.cfg
+        self.log = log
+        self.bar = None
+        if run.main and cfg.progress:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=cfg.max_steps, initial=start, unit="step", dynamic_ncols=True)
+        self.tokens_per_step = cfg.batch_size * cfg.micro_batches * cfg.seq_len * run.world
+        self.t0 = self.t_log = time.perf_counter()
+        self.step_at_log = start
+        self.last: dict[str, float] = {}  # the last log step's metrics (and val_loss after it)
+
+    def metrics(self, n: int, metrics: dict[str, torch.Tensor]) -> None:
+        now = time.perf_counter()  # float() below is the host sync of this log step
+        self.last = {k: float(v) for k, v in metrics.items()}
+        rec = {"step": n, **self.last}
+        seconds = max(now - self.t_log, 1e-9)
+        rec["tokens_per_s"] = self.tokens_per_step * (n - self.step_at_log) / seconds
+        rec["elapsed_s"] = now - self.t0
+        self.t_log, self.step_at_log = now, n
+        if self.log is not None:
+            self.log.write(rec)
+        if self.bar is not None:
+            self.bar.set_postfix(
+                loss=f"{self.last['loss']:.3f}",
+                tok_s=f"{rec['tokens_per_s']:.0f}",
+                lr=f"{self.last['lr']:.2e}",
+            )
+
+    def validation(self, n: int, val: float) -> None:
+        self.log.write({"step": n, "val_loss": val})
+        self.last["val_loss"] = val
+        if self.bar is not None:
+            self.bar.write(f"step {n}: validation loss {val:.4f}")
+
+    def advance(self) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, params, dataset, cfg: TrainConfig) -> float:
+    """Mean token loss over the first ``eval_batches`` batches of ``dataset`` (the same rows every
+    time, so losses of one run compare); ``model``'s train/eval mode is left as it was."""
+    total = count = 0.0
+    was_training = model.training
+    model.eval()
+    try:
+        n = min(len(dataset), cfg.eval_batches * cfg.batch_size)
+        for start in range(0, n, cfg.batch_size):
+            rows = [dataset[i] for i in range(start, min(start + cfg.batch_size, n))]
+            x = torch.stack([r["input"] for r in rows])
+            y = torch.stack([r["target"] for r in rows])
+            loss = ft.losses.cross_entropy(ft.apply(model, params, x), y)
+            total += float(loss.total)
+            count += float(loss.count)
+    finally:
+        model.train(was_training)
+    return total / max(count, 1.0)
+
+
+@contextlib.contextmanager
+def _deferred_interrupt() -> Iterator[dict[str, bool]]:
+    """Ctrl-C sets a flag that the loop checks between steps (so the state saved is a whole
+    step's); a second Ctrl-C interrupts at once."""
+    flag = {"stop": False}
+
+    def handler(signum, frame):
+        if flag["stop"]:
+            raise KeyboardInterrupt
+        flag["stop"] = True
+
+    try:
+        previous = signal.signal(signal.SIGINT, handler)
+    except ValueError:  # not the main thread: leave Ctrl-C alone
+        yield flag
+        return
+    try:
+        yield flag
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+# -- saving and the end of a run ----------------------------------------------------------------
+def _save(run: _Run, state: ft.TrainState) -> None:
+    """A checkpoint in the run folder: whole tensors, the resolved settings and each process's
+    data position. Every process takes part (gathering a sharded state is a collective); rank 0
+    writes."""
+    cfg = run.cfg
+    whole = unshard_state(state) if cfg.shard != "none" else state
+    loaders = _all_ranks(run.recipe.loader.state_dict(), run.world)
+    if run.main:
+        extra = {
+            "config": cfg.to_dict(),
+            "loader": loaders[0],
+            "loaders": loaders,
+            "world_size": run.world,
+        }
+        ft.save_checkpoint(run.out, whole, keep=cfg.keep, extra=extra)
+    if run.world > 1:
+        torch.distributed.barrier()
+
+
+def _finish(run: _Run, state: ft.TrainState, report: _Report, interrupted: bool) -> dict[str, Any]:
+    """The summary; on rank 0 also the end-of-run outputs, or after a Ctrl-C how to continue."""
+    seconds = time.perf_counter() - report.t0
+    summary = {"step": int(state.step), "seconds": seconds, "out": str(run.out), **report.last}
+    params = unshard(state.params)  # whole params (under fsdp a collective: every process)
+    if not run.main:
+        return summary
+    if interrupted:
+        print(
+            f"\nftrain train: interrupted at step {int(state.step)}; checkpoint saved in {run.out}. "
+            f"Continue with: ftrain train --out {run.out} --resume"
+        )
+        return {**summary, "interrupted": True}
+    return _outputs(run, int(state.step), params, report, summary)
+
+
+def _outputs(
+    run: _Run, step: int, params, report: _Report, summary: dict[str, Any]
+) -> dict[str, Any]:
+    """A completed run's last validation loss (if not just measured), loss.png, sample.txt and
+    the lines printed; returns ``summary`` with the validation loss."""
+    cfg, out, last, model = run.cfg, run.out, report.last, run.recipe.model
+    if "val_loss" not in last and cfg.eval_every:
+        last["val_loss"] = summary["val_loss"] = evaluate(model, params, run.recipe.valid, cfg)
+        report.log.write({"step": step, "val_loss": last["val_loss"]})
+    rundir.plot_losses(report.log.records(), out / "loss.png")
+    text = ""
+    if cfg.sample_tokens:
+        text = gpt.sample_text(model, params, "def ", cfg.sample_tokens, seed=cfg.seed)
+        (out / "sample.txt").write_text(text)
+    print(
+        f"ftrain train: {step} steps in {summary['seconds']:.0f} s; "
+        f"loss {last.get('loss', math.nan):.3f}"
+        + (f", validation loss {last['val_loss']:.3f}" if "val_loss" in last else "")
+        + f"\n  run: {out} (metrics.jsonl, loss.png, checkpoints)"
+    )
+    if text:
+        print("--- sample ---\n" + text + "\n--------------")
+    return summary
+
+
+# -- collectives (no-ops with one process) ------------------------------------------------------
+def _from_rank0(value: Any, world: int) -> Any:
+    """Rank 0's ``value`` on every process (a broadcast; ``value`` as is with one process)."""
+    if world == 1:
+        return value
+    box = [value]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _all_ranks(value: Any, world: int) -> list[Any]:
+    """Every process's ``value``, in rank order (an all-gather; ``[value]`` with one process)."""
+    if world == 1:
+        return [value]
+    out: list[Any] = [None] * world
+    torch.distributed.all_gather_object(out, value)
+    return out

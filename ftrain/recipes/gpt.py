@@ -1,0 +1,254 @@
+"""The built-in recipe: a byte-level GPT on the Python standard library.
+
+    ftrain train                                          # this recipe, with its defaults
+    ftrain train --precision bf16 --micro-batches 4 --checkpoint-policy blocks
+    ftrain sample --run runs/a --prompt "def "            # sample_text from a run's checkpoint
+
+    from ftrain.config import TrainConfig
+    from ftrain.recipes import gpt
+    recipe = gpt.build(TrainConfig(max_steps=100))       # model, step, state, loader, valid
+    with iter(recipe.loader) as batches:                  # leaving it stops the loader's threads
+        state, metrics = recipe.step(recipe.state, next(batches))
+
+Each piece is one small function of the settings; :func:`build_step` is the one place where the
+transforms are composed. The loop (``ftrain.loop``) calls only :func:`build` and
+:func:`sample_text`.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import os
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+import ftrain as ft
+from ftrain import data, optim, rundir
+from ftrain.config import TrainConfig
+from ftrain.models import GPT, GPTConfig, generate
+
+__all__ = [
+    "Recipe",
+    "build",
+    "build_data",
+    "build_model",
+    "build_optimizer",
+    "build_schedule",
+    "build_step",
+    "data_dir",
+    "make_loss_fn",
+    "sample",
+    "sample_text",
+]
+
+
+class Recipe(NamedTuple):
+    """What the loop trains, built from the settings by :func:`build`."""
+
+    model: GPT  # the template: its code runs the params; its own tensors only initialize them
+    step: ft.Step  # the composed step (build_step)
+    state: ft.TrainState  # at step 0: params, optimizer state, RNG key, the transforms' entries
+    loader: data.Loader  # this process's batches of one global batch: endless, resumable
+    valid: data.TokenDataset  # the validation rows (the same on every process)
+
+
+def build(cfg: TrainConfig, *, rank: int = 0, world: int = 1, quiet: bool = False) -> Recipe:
+    """Everything ``cfg`` describes, for process ``rank`` of ``world``, at step 0 (the state is
+    whole: the loop lays it out across processes). The same ``cfg`` gives the same recipe."""
+    loader, valid = build_data(cfg, rank=rank, world=world, quiet=quiet)
+    model = build_model(cfg)
+    opt = build_optimizer(cfg)
+    state = ft.TrainState.create(ft.params_of(model), opt, seed=cfg.seed)
+    step = build_step(cfg, model, opt)
+    return Recipe(model, step, step.init_extra(state), loader, valid)
+
+
+# -- data -------------------------------------------------------------------------------------
+def data_dir(cfg: TrainConfig) -> Path:
+    """The token cache: ``--data-dir``, else ``$FTRAIN_CACHE/stdlib``, else
+    ``~/.cache/ftrain/stdlib``."""
+    if cfg.data_dir:
+        return Path(cfg.data_dir)
+    root = os.environ.get("FTRAIN_CACHE") or Path.home() / ".cache" / "ftrain"
+    return Path(root) / "stdlib"
+
+
+def build_data(
+    cfg: TrainConfig, *, rank: int = 0, world: int = 1, quiet: bool = False
+) -> tuple[data.Loader, data.TokenDataset]:
+    """The token build of the stdlib corpus (made once, then cached), the train loader for this
+    process (an endless stream, resumable) and the validation dataset."""
+    path = data_dir(cfg)
+    data.build_token_dataset(data.corpora.python_stdlib(), path, progress=not quiet)
+    train_ds = data.TokenDataset(path, cfg.seq_len, seed=cfg.seed, split="train")
+    valid_ds = data.TokenDataset(path, cfg.seq_len, seed=cfg.seed, split="valid")
+    rows = cfg.batch_size * cfg.micro_batches  # per process per optimizer step
+    mine = _Strided(train_ds, rank, world) if world > 1 else train_ds
+    loader = data.loader(mine, rows, seed=cfg.seed, infinite=True, num_workers=cfg.num_workers)
+    return loader, valid_ds
+
+
+class _Strided:
+    """Every ``world``-th sample starting at ``rank``: one process's share of the data."""
+
+    def __init__(self, ds, rank: int, world: int):
+        self.ds, self.rank, self.world = ds, rank, world
+
+    def __len__(self) -> int:
+        return (len(self.ds) - self.rank + self.world - 1) // self.world
+
+    def __getitem__(self, i: int):
+        return self.ds[i * self.world + self.rank]
+
+
+# -- model and loss ---------------------------------------------------------------------------
+def build_model(cfg: TrainConfig) -> GPT:
+    """The GPT template, initialized from ``cfg.seed`` (its tensors only initialize the params)."""
+    torch.manual_seed(cfg.seed)
+    return GPT(
+        GPTConfig(
+            vocab_size=data.ByteTokenizer().vocab_size,
+            seq_len=cfg.seq_len,
+            d_model=cfg.d_model,
+            n_layer=cfg.n_layer,
+            n_head=cfg.n_head,
+            bias=cfg.bias,
+            dropout=cfg.dropout,
+            n_experts=cfg.n_experts,
+            top_k=cfg.top_k,
+        )
+    )
+
+
+def make_loss_fn(model: GPT):
+    """Token cross-entropy, plus the mixture-of-experts balance loss when the model has one
+    (reported as the metric ``moe_aux_loss``)."""
+
+    def loss_fn(params, batch):
+        logits, aux = ft.apply(model, params, batch["input"], return_aux=True)
+        ce = ft.losses.cross_entropy(logits, batch["target"])
+        if not aux:
+            return ce
+        moe = sum(aux.values())
+        return ft.Loss(ce.total + moe * ce.count, ce.count, {"moe_aux_loss": moe.detach()})
+
+    return loss_fn
+
+
+# -- optimizer --------------------------------------------------------------------------------
+def build_schedule(cfg: TrainConfig) -> optim.Schedule:
+    """The learning rate by step: a linear warmup to ``cfg.lr``, then the named shape over
+    ``decay_steps`` (default ``max_steps``)."""
+    total = cfg.decay_steps or cfg.max_steps  # the schedule never depends on where a run stops
+    warm = min(cfg.warmup, total)
+    if cfg.lr_schedule == "constant":
+        return optim.join([optim.linear_warmup(cfg.lr, warm), optim.constant(cfg.lr)], [warm])
+    if cfg.lr_schedule == "cosine":
+        return optim.warmup_cosine(cfg.lr, warm, max(total, warm), end_value=cfg.lr / 10)
+    if cfg.lr_schedule == "linear":
+        return optim.join(
+            [optim.linear_warmup(cfg.lr, warm), optim.linear_decay(cfg.lr, max(total - warm, 0))],
+            [warm],
+        )
+    if cfg.lr_schedule == "wsd":
+        decay = max(total // 5, 1)
+        return optim.wsd(cfg.lr, warm, max(total - warm - decay, 0), decay)
+    return optim.inverse_sqrt(cfg.lr, max(warm, 1))
+
+
+def build_optimizer(cfg: TrainConfig) -> optim.GradientTransformation:
+    """Clipping, then the chosen optimizer with weight decay on matrices only."""
+    schedule = build_schedule(cfg)
+    make = optim.OPTIMIZERS[cfg.optimizer]
+    options = inspect.signature(make).parameters
+    kwargs = {}
+    if "weight_decay" in options:
+        kwargs["weight_decay"] = cfg.weight_decay
+    if "mask" in options:  # decoupled decay: matrices only, not biases or norms
+        kwargs["mask"] = optim.decay_mask
+    opt = make(schedule, **kwargs)
+    if cfg.clip_grad:
+        opt = optim.chain(optim.clip_by_global_norm(cfg.clip_grad), opt)
+    return opt
+
+
+# -- the step ---------------------------------------------------------------------------------
+def build_step(cfg: TrainConfig, model: GPT, opt: optim.GradientTransformation) -> ft.Step:
+    """The composition, in one place, innermost first.
+
+    Autocast, checkpoint and accumulate act on different phases (the forward's precision, what it
+    keeps for backward, how a batch is split), so their order among themselves does not matter.
+    Shard wraps the accumulated step so that it reduces the gradients once per optimizer step, not
+    once per micro-batch; compile comes last so that it compiles everything inside it.
+    """
+    step = ft.train_step(make_loss_fn(model), opt, donate=True)
+    if cfg.precision != "fp32":
+        step = ft.autocast(step, {"bf16": torch.bfloat16, "fp16": torch.float16}[cfg.precision])
+    if cfg.checkpoint_policy != "none":
+        step = ft.checkpoint(step, cfg.checkpoint_policy)
+    if cfg.micro_batches > 1:
+        step = ft.accumulate(step, cfg.micro_batches)
+    if cfg.shard != "none":
+        step = ft.shard(step, cfg.shard)
+    if cfg.compile:
+        step = ft.compile(step)
+    return step
+
+
+# -- text -------------------------------------------------------------------------------------
+# Sampling lives with the recipe, not the loop: it needs this recipe's model and tokenizer and
+# nothing of training (the loop calls sample_text at the end of a run, `ftrain sample` sample).
+def sample_text(
+    model: GPT,
+    params,
+    prompt: str,
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.8,
+    top_k: int | None = 50,
+    seed: int = 0,
+) -> str:
+    """``prompt`` and ``max_new_tokens`` bytes generated from ``params`` with the model's code;
+    the same ``seed`` gives the same text, and ``model`` itself is not changed.
+
+    An empty ``prompt`` samples unconditionally, from the start of a document."""
+    tok = data.ByteTokenizer()
+    # An empty prompt starts from the end-of-document token (dropped by decode): unconditional.
+    ids = torch.tensor([tok.encode(prompt) or [tok.eot_id]], dtype=torch.long)
+    model = copy.deepcopy(model)  # the template stays untouched
+    model.load_state_dict(ft.state_dict_of(params), strict=False)  # strict=False: tied weights
+    model.eval()
+    out = generate(
+        model,
+        ids,
+        max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        generator=torch.Generator().manual_seed(seed),
+    )
+    return tok.decode(out[0].tolist())
+
+
+def sample(
+    run: str | Path,
+    prompt: str,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    seed: int = 0,
+) -> str:
+    """:func:`sample_text` from the newest valid checkpoint of the run folder ``run`` (or from the
+    checkpoint folder ``run``), with the model its saved settings describe."""
+    run = Path(run)
+    latest = ft.latest_checkpoint(run) if not (run / "meta.json").exists() else run
+    if latest is None:
+        raise SystemExit(f"ftrain sample: no checkpoint in {run}")
+    saved: dict[str, Any] = rundir.saved_config(ft.load_meta(latest))
+    model = build_model(TrainConfig(**{k: v for k, v in saved.items() if k != "config"}))
+    state = ft.load(latest)
+    return sample_text(
+        model, state.params, prompt, max_new_tokens, temperature=temperature, top_k=top_k, seed=seed
+    )

@@ -1,0 +1,70 @@
+"""The settings (ftrain.config): one flag per field, TOML files with the same keys, type checks."""
+
+import argparse
+import dataclasses
+import json
+
+import pytest
+
+import ftrain as ft
+from ftrain.cli import main
+from ftrain.config import TrainConfig, add_arguments, flag_name, from_args, load_toml
+
+
+def test_every_field_has_its_flag_and_flags_beat_defaults_only_when_given():
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    for f in dataclasses.fields(TrainConfig):
+        value = [] if isinstance(f.default, bool) else [str(1 if f.default is None else f.default)]
+        assert f.name in vars(p.parse_args([f"--{flag_name(f.name)}", *value])), f.name
+    assert vars(p.parse_args([])) == {}  # unset flags leave the defaults (or the file's values)
+    assert flag_name("d_model") == "d-model" and flag_name("seed") == "seed"
+    cfg = from_args(p.parse_args(["--d-model", "64", "--no-bias", "--lr", "1e-3"]))
+    assert cfg == dataclasses.replace(TrainConfig(), d_model=64, bias=False, lr=1e-3)
+
+
+def test_config_file_and_flags(tmp_path, tiny_run):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('max-steps = 2\nd_model = 48\nlr_schedule = "constant"\nweight_decay = 0.0\n')
+    out = tmp_path / "run"
+    assert main(["train", *tiny_run, "--config", str(cfg), "--d-model", "24",
+                 "--out", str(out)]) == 0  # fmt: skip
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["max_steps"] == 2 and saved["d_model"] == 24  # the flag beats the file
+    assert saved["lr_schedule"] == "constant" and saved["weight_decay"] == 0.0
+    assert ft.load(ft.latest_checkpoint(out)).params["wte", "weight"].shape[1] == 24
+
+
+def test_unknown_config_key_is_refused(tmp_path, capsys):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("d_modle = 48\n")
+    with pytest.raises(SystemExit):
+        main(["train", "--config", str(cfg)])
+    assert "unknown setting 'd_modle'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ('max_steps = "3"', "max_steps must be an int, got max_steps = '3' (a str)"),
+        ("max_steps = 2.5", "max_steps must be an int, got max_steps = 2.5"),
+        ('resume = "no"', "resume must be a bool (true or false, unquoted), got resume = 'no'"),
+        ("precision = 16", "precision must be a str"),
+        ("seed = true", "seed must be an int, got seed = True (a bool)"),
+        ("lr = false", "lr must be a float, got lr = False"),
+    ],
+)
+def test_config_values_of_the_wrong_type_are_usage_errors(tmp_path, line, message, capsys):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(line + "\n")
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--config", str(cfg)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_config_float_accepts_an_int(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("lr = 1\nweight_decay = 0\n")
+    assert load_toml(cfg) == {"lr": 1.0, "weight_decay": 0.0}

@@ -1,0 +1,233 @@
+"""The training loop (ftrain.loop): outputs, resume bit for bit, kill -9, Ctrl-C, evaluation, and a
+config that train() resolves without changing."""
+
+import copy
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ftrain as ft
+from ftrain.cli import main, parser
+from ftrain.config import from_args
+from ftrain.loop import evaluate, train
+
+
+def _flat(path):
+    state = ft.load(ft.latest_checkpoint(path))
+    return state.to_tensordict().flatten_keys(".")
+
+
+def _config(args):
+    return from_args(parser().parse_args(["train", *args]))
+
+
+def test_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path, tiny_run):
+    """12 steps == 6 steps + --resume to 12, with fp16 loss scaling, dropout, accumulation and a
+    warmup-cosine schedule: every tensor of the final checkpoint, and the loader position."""
+    common = [*tiny_run, "--precision", "fp16", "--dropout", "0.1", "--micro-batches", "2",
+              "--warmup", "4", "--save-every", "3"]  # fmt: skip
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert main(["train", *common, "--max-steps", "12", "--out", str(a)]) == 0
+    assert main(["train", *common, "--max-steps", "6", "--decay-steps", "12", "--out", str(b)]) == 0
+    assert ft.latest_checkpoint(b).name == "checkpoint-6"
+    assert main(["train", *common, "--max-steps", "12", "--out", str(b), "--resume"]) == 0
+    ta, tb = _flat(a), _flat(b)
+    assert sorted(ta.keys()) == sorted(tb.keys())
+    assert "extra.loss_scale.scale" in ta.keys() and "rng" in ta.keys()
+    for k in ta.keys():
+        assert torch.equal(ta[k], tb[k]), k
+    meta_a = ft.load_meta(ft.latest_checkpoint(a))["extra"]
+    meta_b = ft.load_meta(ft.latest_checkpoint(b))["extra"]
+    assert meta_a["loader"] == meta_b["loader"]
+    # The log reads as one run and its losses agree step by step.
+    la = [json.loads(x) for x in (a / "metrics.jsonl").read_text().splitlines()]
+    lb = [json.loads(x) for x in (b / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lb] == list(range(1, 13))
+    assert [r["loss"] for r in la] == [r["loss"] for r in lb]
+    assert (a / "loss.png").stat().st_size > 1000
+
+
+def test_outputs_and_sample(tmp_path, tiny_run, capsys):
+    out = tmp_path / "run"
+    args = [*tiny_run, "--max-steps", "4", "--out", str(out)]
+    assert main(["train", *args, "--eval-every", "2", "--sample-tokens", "20"]) == 0
+    printed = capsys.readouterr().out
+    assert "--- sample ---" in printed
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert {"step", "loss", "lr"} <= set(records[0])
+    assert any("val_loss" in r for r in records)
+    assert (out / "sample.txt").read_text().startswith("def ")
+    assert main(["sample", "--run", str(out), "--prompt", "import ", "--max-new-tokens", "30"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("import ") and len(text) >= len("import ") + 10
+
+
+def test_train_leaves_its_config_unchanged(tmp_path, tiny_run, monkeypatch):
+    """train() resolves --global-batch-size into micro_batches, and records that in config.json
+    and the checkpoint, without writing to the TrainConfig it was given."""
+    cfg = _config([*tiny_run, "--max-steps", "1", "--global-batch-size", "12",
+                   "--out", str(tmp_path / "run")])  # fmt: skip
+    before = copy.deepcopy(cfg)
+    summary = train(cfg)
+    assert cfg == before and cfg.micro_batches == 1
+    assert summary["step"] == 1 and summary["count"] == 12 * 32  # 3 micro-batches of 4 rows
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["micro_batches"] == 3
+    saved = ft.load_meta(ft.latest_checkpoint(tmp_path / "run"))["extra"]["config"]
+    assert saved == {**before.to_dict(), "micro_batches": 3}
+    # Under torchrun (WORLD_SIZE > 1) without --shard the run resolves to ddp; here torchrun's
+    # other variables are missing, so it stops at joining the process group, with cfg unchanged.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for name in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(SystemExit, match="--shard ddp: .*torchrun"):
+        train(cfg)
+    assert cfg == before and cfg.shard == "none"
+
+
+def test_global_batch_size_sets_micro_batches(tmp_path, tiny_run):
+    out = tmp_path / "run"
+    assert main(["train", *tiny_run, "--max-steps", "1", "--global-batch-size", "12",
+                 "--out", str(out)]) == 0  # fmt: skip
+    assert json.loads((out / "config.json").read_text())["micro_batches"] == 3
+    rec = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    assert rec["count"] == 12 * 32  # 12 rows of 32 targets in one optimizer step
+    with pytest.raises(SystemExit, match="--global-batch-size 10 must be a multiple of"):
+        main(["train", *tiny_run, "--global-batch-size", "10", "--out", str(tmp_path / "b")])
+
+
+def test_evaluate_is_the_mean_token_loss_of_the_first_batches():
+    torch.manual_seed(0)
+    model = ft.models.GPT(ft.models.GPTConfig(vocab_size=11, seq_len=6, d_model=16, n_layer=1,
+                                              n_head=2, dropout=0.5))  # fmt: skip
+    rows = [{"input": torch.randint(0, 11, (6,)), "target": torch.randint(0, 11, (6,))}
+            for _ in range(7)]  # fmt: skip
+    cfg = _config(["--batch-size", "2", "--eval-batches", "3"])  # rows 0-5 in 3 batches
+    params = ft.params_of(model)
+    with torch.no_grad():
+        model.eval()
+        logits = model(torch.stack([r["input"] for r in rows[:6]]))
+        want = F.cross_entropy(
+            logits.flatten(0, 1), torch.stack([r["target"] for r in rows[:6]]).flatten()
+        )
+    model.train()
+    got = evaluate(model, params, rows, cfg)
+    assert got == pytest.approx(float(want), rel=1e-5)  # eval mode: no dropout
+    assert model.training  # the mode is restored
+    assert evaluate(model, params, rows, cfg) == got  # the same rows every time
+
+
+def test_resume_refuses_changed_model_and_notes_other_changes(tmp_path, tiny_run, capsys):
+    out = tmp_path / "run"
+    args = [*tiny_run, "--out", str(out)]
+    assert main(["train", *args, "--max-steps", "2"]) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(["train", *args, "--max-steps", "3", "--resume", "--d-model", "64", "--seed", "1"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--d-model 32 -> 64" in err and "--seed 0 -> 1" in err and "Traceback" not in err
+    assert main(["train", *args, "--max-steps", "3", "--resume", "--lr", "0.001"]) == 0
+    err = capsys.readouterr().err
+    assert "note: --resume with changed settings" in err
+    assert "--lr 0.003 -> 0.001" in err and "--max-steps 2 -> 3" in err
+
+
+def test_resume_without_a_checkpoint_starts_from_step_0(tmp_path, tiny_run, capsys):
+    out = tmp_path / "run"
+    assert main(["train", *tiny_run, "--max-steps", "2", "--out", str(out), "--resume"]) == 0
+    assert "no checkpoint in" in capsys.readouterr().out
+    assert int(ft.load(ft.latest_checkpoint(out)).step) == 2
+
+
+def test_bias_flag_and_runs_saved_before_it(tmp_path, tiny_run, capsys):
+    """--bias gives the Linears and LayerNorms biases (off by default). A checkpoint written before
+    the flag existed (no `bias` in its saved config) was trained with biases: `sample` rebuilds
+    that model, and --resume without --bias is refused as a changed model, naming the fix."""
+    off, on, old = tmp_path / "off", tmp_path / "on", tmp_path / "old"
+    common = [*tiny_run, "--max-steps", "1"]
+    assert main(["train", *common, "--out", str(off)]) == 0
+    assert main(["train", *common, "--out", str(on), "--bias"]) == 0
+    assert not [k for k in _flat(off).keys() if k.endswith("bias")]
+    assert "params.blocks.0.attn.qkv.bias" in _flat(on).keys()
+
+    latest = ft.latest_checkpoint(on)  # saved again as an older ftrain wrote it: no `bias`
+    extra = ft.load_meta(latest)["extra"]
+    config = {k: v for k, v in extra["config"].items() if k != "bias"}
+    ft.save_checkpoint(old, ft.load(latest), extra={**extra, "config": config})
+    capsys.readouterr()
+    assert main(["sample", "--run", str(old), "--prompt", "def ", "--max-new-tokens", "5"]) == 0
+    with pytest.raises(SystemExit) as e:
+        main(["train", *common, "--max-steps", "2", "--out", str(old), "--resume"])
+    assert e.value.code == 2 and "--bias True -> False" in capsys.readouterr().err
+    assert (
+        main(["train", *common, "--max-steps", "2", "--out", str(old), "--resume", "--bias"]) == 0
+    )
+
+
+def _spawn(args, tmp_path):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "ftrain", "train", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=tmp_path, text=True,
+    )  # fmt: skip
+
+
+def _wait_for_checkpoint(out, proc, timeout=120):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if proc.poll() is not None:
+            raise AssertionError(proc.stdout.read())
+        if list(out.glob("checkpoint-*")):
+            return
+        time.sleep(0.05)
+    raise AssertionError("no checkpoint appeared")
+
+
+def test_kill_9_at_random_moments_always_leaves_a_resumable_checkpoint(tmp_path, tiny_run):
+    out = tmp_path / "run"
+    args = [*tiny_run, "--save-every", "1", "--keep", "2", "--out", str(out)]
+    rng = random.Random(0)
+    last_step = 0
+    for attempt in range(4):
+        proc = _spawn(
+            [*args, "--max-steps", "100000", *(["--resume"] if attempt else [])], tmp_path
+        )
+        _wait_for_checkpoint(out, proc)
+        time.sleep(rng.uniform(0.5, 2.5))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        latest = ft.latest_checkpoint(out)
+        assert latest is not None
+        state = ft.load(latest)  # verifies every file's sha256
+        assert int(state.step) >= last_step
+        last_step = int(state.step)
+    # and --resume continues from there to the end
+    proc = _spawn([*args, "--max-steps", str(last_step + 2), "--resume"], tmp_path)
+    text, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 0, text
+    assert f"step {last_step})" in text
+    assert int(ft.load(ft.latest_checkpoint(out)).step) == last_step + 2
+
+
+def test_ctrl_c_saves_and_exits_cleanly(tmp_path, tiny_run):
+    out = tmp_path / "run"
+    proc = _spawn([*tiny_run, "--save-every", "0", "--max-steps", "100000", "--out", str(out)],
+                  tmp_path)  # fmt: skip
+    t0 = time.time()
+    while not (out / "metrics.jsonl").exists():  # training has started
+        assert time.time() - t0 < 120 and proc.poll() is None
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    text, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, text
+    assert "Traceback" not in text and "interrupted at step" in text
+    step = int(ft.load(ft.latest_checkpoint(out)).step)
+    assert step >= 1 and f"interrupted at step {step}" in text
