@@ -52,11 +52,21 @@ _REWRITES: Scoped[tuple[tuple[Rewrite, ...], Calls | None]] = Scoped(
 _CACHE: Scoped[ApplyCache | None] = Scoped("ftrain.apply cache", None)
 
 
-def rewriting(rewrites: Sequence[Rewrite]):
+class rewriting:  # noqa: N801 - used as a function: `with rewriting(r) as calls:`
     """A context manager: every :func:`apply` inside runs ``module`` rewritten by ``rewrites``, in
     order (each gets the previous one's result). ``with rewriting(r) as calls:`` gives a
-    :class:`Calls` that counts the ``apply`` calls made inside."""
-    return _REWRITES.using((tuple(rewrites), Calls()))
+    :class:`Calls` that counts the ``apply`` calls made inside. (A class, as dynamo traces it.)"""
+
+    def __init__(self, rewrites: Sequence[Rewrite]):
+        self.calls = Calls()
+        self.using = _REWRITES.using((tuple(rewrites), self.calls))
+
+    def __enter__(self) -> Calls:
+        self.using.__enter__()
+        return self.calls
+
+    def __exit__(self, *exc) -> None:
+        self.using.__exit__(*exc)
 
 
 class ApplyCache:

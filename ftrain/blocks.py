@@ -55,10 +55,18 @@ def find_blocks(
         for m in containers
         if len(m) and all(next(c.children(), None) is not None for c in m.children())
     ]
-    if composite:
-        # max keeps the first of equal keys: the outer list of layers before any list inside one
-        return list(max(composite, key=lambda m: sum(p.numel() for p in m.parameters())))
-    return list(max(containers, key=len, default=[]))
+    # Plain loops rather than max(key=...), which dynamo does not trace. A strict ">" keeps the
+    # first of equals: the outer list of layers before any list inside one.
+    best, best_size = None, -1
+    for m in composite:
+        size = sum(p.numel() for p in m.parameters())
+        if size > best_size:
+            best, best_size = m, size
+    if best is None:
+        for m in containers:
+            if len(m) > best_size:
+                best, best_size = m, len(m)
+    return list(best) if best is not None else []
 
 
 def copy_module(module: nn.Module) -> nn.Module:
