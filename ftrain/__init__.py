@@ -33,8 +33,7 @@ from ftrain.transforms import (
     shard,
     wrap,
 )
-
-__version__ = "0.1.0"
+from ftrain.version import __version__ as __version__
 
 __all__ = [
     "CheckpointError",

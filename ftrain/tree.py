@@ -21,6 +21,7 @@ constructors, each several times slower per call.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
@@ -229,18 +230,17 @@ class TreeDef:
         return TensorDict._new_unsafe(src, batch_size=_EMPTY_SIZE, nested=False)
 
 
-_TREEDEFS: dict[tuple, TreeDef] = {}
+@functools.lru_cache(maxsize=4096)
+def _interned(sig: tuple) -> TreeDef:
+    """One TreeDef per signature (a tuple of strings: an immutable value), so that what is
+    derived from a structure is computed once; bounded, least recently used dropped first."""
+    return TreeDef(sig)
 
 
 def _intern(sig: tuple) -> TreeDef:
     if compiling():  # never touch module state while dynamo traces: it would guard on it
         return TreeDef(sig)
-    got = _TREEDEFS.get(sig)
-    if got is None:
-        if len(_TREEDEFS) > 4096:  # a program that keeps making new structures; stay bounded
-            _TREEDEFS.clear()
-        got = _TREEDEFS[sig] = TreeDef(sig)
-    return got
+    return _interned(sig)
 
 
 def _sig(d: dict, out: list) -> tuple:

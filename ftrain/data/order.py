@@ -8,12 +8,12 @@ give it a `key` string if you want `Loader.load_state_dict` to check that it did
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["BucketByLength", "Sequential", "Shuffled", "bucket_by_length"]
+__all__ = ["BucketByLength", "Sequential", "Shuffled", "bucket_by_length", "make_order"]
 
 
 def _rng(seed: int, epoch: int, stream: int) -> np.random.RandomState:
@@ -121,3 +121,39 @@ def bucket_by_length(
     `dataset.lengths`; call it yourself to choose `pool_batches`.
     """
     return BucketByLength(np.asarray(lengths), batch_size, seed, pool_batches)
+
+
+def make_order(order, dataset, n: int, batch_size: int, seed: int) -> Callable[[int], np.ndarray]:
+    """The order function ``loader(order=...)`` names: "shuffle", "sequential", "length" or a
+    callable ``epoch -> n indices``, checked against the dataset and batch size."""
+    who = "loader"
+    if order == "shuffle":
+        return Shuffled(n, seed)
+    if order == "sequential":
+        return Sequential(n)
+    if order == "length":
+        lengths = getattr(dataset, "lengths", None)
+        if lengths is None or len(lengths) != n:
+            raise ValueError(
+                f"{who}: order='length' needs dataset.lengths, one length per example ({n}); "
+                f"{type(dataset).__name__} has {'none' if lengths is None else len(lengths)}. "
+                "Use ftrain.data.DocumentDataset or add a lengths attribute"
+            )
+        return BucketByLength(np.asarray(lengths), batch_size, seed)
+    if isinstance(order, str) or not callable(order):
+        raise ValueError(
+            f"{who}: order must be 'shuffle', 'sequential', 'length' or a callable "
+            f"epoch -> indices, got {order!r}"
+        )
+    if isinstance(order, BucketByLength) and order.batch_size != batch_size:
+        raise ValueError(
+            f"{who}: the bucket_by_length order was built for batch_size={order.batch_size}, "
+            f"the loader has batch_size={batch_size}; build both with the same batch_size"
+        )
+    idx = np.asarray(order(0))
+    if idx.shape != (n,) or idx.dtype.kind not in "iu" or idx.min() < 0 or idx.max() >= n:
+        raise ValueError(
+            f"{who}: order(epoch) must return {n} int indices in [0, {n}), one per sample; "
+            f"order(0) gave shape {idx.shape} {idx.dtype}"
+        )
+    return order

@@ -12,7 +12,6 @@ different number of workers, prefetch depth or device.
 
 from __future__ import annotations
 
-import atexit
 import functools
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -30,80 +29,13 @@ from torchdata.nodes import (
 )
 
 from ftrain.data.collate import stack_collate
-from ftrain.data.order import BucketByLength, Sequential, Shuffled
+from ftrain.data.nodes import OrderNode, keep_num_threads, stop_threads, to_device
+from ftrain.data.order import make_order
 
 __all__ = ["Loader", "LoaderIterator", "loader"]
 
 STATE_FORMAT = "ftrain.data.loader/1"
 Batch = dict[str, torch.Tensor]
-
-
-class _OrderNode(BaseNode[int]):
-    """Source node: the indices of `order(epoch)` from a start position; no state of its own.
-
-    Yields the first `per_epoch` indices of each epoch's order; stops at the end of the epoch,
-    or goes on to the next epoch when `infinite`.
-    """
-
-    def __init__(self, order: Callable[[int], np.ndarray], per_epoch: int, infinite: bool):
-        super().__init__()
-        self.order, self.per_epoch, self.infinite = order, per_epoch, infinite
-        self.start = (0, 0)  # set by Loader before each reset
-
-    def reset(self, initial_state: dict | None = None):
-        super().reset(initial_state)
-        if initial_state is not None:  # torchdata's snapshots (never used by Loader's resume)
-            self.epoch, self.sample = initial_state["epoch"], initial_state["sample"]
-        else:
-            self.epoch, self.sample = self.start
-        self._indices: np.ndarray | None = None
-
-    def next(self) -> int:
-        if self.sample >= self.per_epoch:
-            if not self.infinite:
-                raise StopIteration
-            self.epoch, self.sample, self._indices = self.epoch + 1, 0, None
-        if self._indices is None:
-            self._indices = self.order(self.epoch)
-        i = int(self._indices[self.sample])
-        self.sample += 1
-        return i
-
-    def get_state(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "sample": self.sample}
-
-
-def _to_device(batch: Mapping[str, Any], device: torch.device) -> Batch:
-    # non_blocking: from pinned memory the copy is asynchronous; the next use of the tensor on
-    # `device` waits for it on the stream, so there is no host sync here.
-    return {
-        k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
-        for k, v in batch.items()
-    }
-
-
-def _keep_num_threads(threads: int) -> None:
-    """Give the caller back its intra-op thread count if the pipeline's threads changed it.
-
-    torchdata's thread workers (and PinMemory's thread) call `torch.set_num_threads(1)` when
-    they start. That count is process-wide: in a fresh process it leaves the caller's own ops,
-    the training step included, on one thread. A worker may start a little after `reset()`,
-    so this runs after `reset()` and after each batch; the workers keep their own count of 1.
-    (`get_num_threads` is an atomic load, so the check costs nothing.)
-    """
-    if torch.get_num_threads() != threads:
-        torch.set_num_threads(threads)
-
-
-_OPEN: weakref.WeakSet[LoaderIterator] = weakref.WeakSet()
-
-
-@atexit.register
-def _close_open_iterators() -> None:
-    # Worker threads still running inside torch when the interpreter exits can abort it
-    # ("terminate called without an active exception"); stop them first.
-    for it in list(_OPEN):
-        it.close()
 
 
 class LoaderIterator(Iterator[Batch]):
@@ -116,8 +48,13 @@ class LoaderIterator(Iterator[Batch]):
         loader._source.start = (loader._epoch, loader._sample)
         self._threads = torch.get_num_threads()
         loader._root.reset()  # restarts every node (and its threads) at the current position
-        _keep_num_threads(self._threads)
-        _OPEN.add(self)
+        keep_num_threads(self._threads)
+        # Worker threads still running inside torch when the interpreter exits can abort it
+        # ("terminate called without an active exception"): an iterator still open then stops
+        # them first (weakref.finalize runs at exit for objects still alive, and when one is
+        # collected: then only if no newer iterator took over the threads).
+        loader._iterators += 1
+        self._at_exit = weakref.finalize(self, _stop_if_newest, loader, loader._iterators)
 
     def __next__(self) -> Batch:
         ld = self._loader
@@ -131,7 +68,7 @@ class LoaderIterator(Iterator[Batch]):
         try:
             batch = next(ld._root)
         finally:
-            _keep_num_threads(self._threads)
+            keep_num_threads(self._threads)
         ld._advance()
         return batch
 
@@ -141,16 +78,21 @@ class LoaderIterator(Iterator[Batch]):
         if self._closed:
             return
         self._closed = True
-        _OPEN.discard(self)
+        self._at_exit.detach()
         if self._loader._active is self:
             self._loader._active = None
-            self._loader._stop_threads()
+            stop_threads(self._loader._thread_nodes)
 
     def __enter__(self) -> LoaderIterator:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _stop_if_newest(loader: Loader, number: int) -> None:
+    if loader._iterators == number:
+        stop_threads(loader._thread_nodes)
 
 
 class Loader:
@@ -201,13 +143,14 @@ class Loader:
         self.pin_memory = pin_memory and device.type == "cuda"
         self._epoch, self._sample = 0, 0
         self._active: object | None = None
+        self._iterators = 0  # how many iter(loader) there were
         self._pin: BaseNode | None = None
         self._prefetcher: BaseNode | None = None
 
         # The graph, in the order the data flows. snapshot_frequency=0: torchdata's own resume
         # (a snapshot of the upstream state after every item) would be wasted work, since a
         # position is all this loader needs to resume.
-        node: BaseNode = _OrderNode(order, self.samples_per_epoch, infinite)
+        node: BaseNode = OrderNode(order, self.samples_per_epoch, infinite)
         self._source = node
         # in_order=True: the workers' results come out in the sampler's order, so the batches
         # do not depend on the number of workers or on which one finishes first.
@@ -229,8 +172,10 @@ class Loader:
                 node, prefetch_factor=prefetch, snapshot_frequency=0
             )
         if device.type != "cpu":
-            node = Mapper(node, functools.partial(_to_device, device=device))
+            node = Mapper(node, functools.partial(to_device, device=device))
         self._root = node
+        # the nodes that run threads, the mapper first (see stop_threads)
+        self._thread_nodes = (self._mapper, self._pin, self._prefetcher)
 
     # -- position ---------------------------------------------------------------------------
 
@@ -268,16 +213,6 @@ class Loader:
 
     def __iter__(self) -> LoaderIterator:
         return LoaderIterator(self)
-
-    def _stop_threads(self) -> None:
-        # torchdata's nodes have no public close(): their iterators stop their threads (or
-        # processes) in _shutdown(). The mapper goes first: its next() then ends, so the
-        # prefetch thread that waits on it ends too.
-        for node in (self._mapper, self._pin, self._prefetcher):
-            it = getattr(node, "_it", None)
-            it = getattr(it, "_it", it)  # ParallelMapper -> _ParallelMapperImpl -> its iterator
-            if hasattr(it, "_shutdown"):
-                it._shutdown()
 
     # -- state ------------------------------------------------------------------------------
 
@@ -435,7 +370,7 @@ def loader(
             "drop_last=True, so there would be no batch; lower batch_size or pass drop_last=False"
         )
 
-    order_fn = _make_order(order, dataset, n, batch_size, seed)
+    order_fn = make_order(order, dataset, n, batch_size, seed)
     collate_fn = collate if collate is not None else getattr(dataset, "collate", stack_collate)
     if not callable(collate_fn):
         raise TypeError(f"{who}: collate must be callable, got {collate_fn!r:.80}")
@@ -468,37 +403,3 @@ def loader(
         infinite=infinite,
         worker_method=worker_method,
     )
-
-
-def _make_order(order, dataset, n: int, batch_size: int, seed: int) -> Callable[[int], np.ndarray]:
-    who = "loader"
-    if order == "shuffle":
-        return Shuffled(n, seed)
-    if order == "sequential":
-        return Sequential(n)
-    if order == "length":
-        lengths = getattr(dataset, "lengths", None)
-        if lengths is None or len(lengths) != n:
-            raise ValueError(
-                f"{who}: order='length' needs dataset.lengths, one length per example ({n}); "
-                f"{type(dataset).__name__} has {'none' if lengths is None else len(lengths)}. "
-                "Use ftrain.data.DocumentDataset or add a lengths attribute"
-            )
-        return BucketByLength(np.asarray(lengths), batch_size, seed)
-    if isinstance(order, str) or not callable(order):
-        raise ValueError(
-            f"{who}: order must be 'shuffle', 'sequential', 'length' or a callable "
-            f"epoch -> indices, got {order!r}"
-        )
-    if isinstance(order, BucketByLength) and order.batch_size != batch_size:
-        raise ValueError(
-            f"{who}: the bucket_by_length order was built for batch_size={order.batch_size}, "
-            f"the loader has batch_size={batch_size}; build both with the same batch_size"
-        )
-    idx = np.asarray(order(0))
-    if idx.shape != (n,) or idx.dtype.kind not in "iu" or idx.min() < 0 or idx.max() >= n:
-        raise ValueError(
-            f"{who}: order(epoch) must return {n} int indices in [0, {n}), one per sample; "
-            f"order(0) gave shape {idx.shape} {idx.dtype}"
-        )
-    return order

@@ -56,6 +56,7 @@ from ftrain.io.layout import (
 )
 from ftrain.state import TrainState
 from ftrain.tree import SEP
+from ftrain.version import __version__
 
 __all__ = [
     "CheckpointError",
@@ -176,10 +177,8 @@ def _check_replaceable(path: Path) -> None:
 
 
 def _versions() -> dict[str, str]:
-    import ftrain  # here, not at the top: ftrain imports this module
-
     return {
-        "ftrain": ftrain.__version__,
+        "ftrain": __version__,
         "torch": torch.__version__,
         "tensordict": tensordict.__version__,
         "safetensors": safetensors.__version__,

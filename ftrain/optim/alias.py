@@ -12,9 +12,9 @@ from tensordict import TensorDict, TensorDictBase
 from ftrain import tree
 from ftrain.optim.base import GradientTransformation, chain
 from ftrain.optim.factorized import scale_by_factored_rms, scale_by_param_block_rms
+from ftrain.optim.schedules import as_schedule
 from ftrain.optim.transforms import (
     Schedule,
-    _as_schedule,
     add_decayed_weights,
     clip_by_block_rms,
     scale_by_adam,
@@ -252,7 +252,7 @@ def adafactor(
     _check_range("adafactor", "eps2", eps2, 0.0)
     _check_range("adafactor", "clipping_threshold", clipping_threshold, 1.0)
     _check_range("adafactor", "weight_decay", weight_decay, 0.0)
-    schedule = _as_schedule(learning_rate)
+    schedule = as_schedule(learning_rate)
     return chain(
         scale_by_factored_rms(decay_rate, eps1),
         clip_by_block_rms(clipping_threshold),

@@ -23,7 +23,6 @@ everywhere too; ``chain`` converts for it.
 from __future__ import annotations
 
 import inspect
-import weakref
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -42,6 +41,10 @@ __all__ = [
     "apply_if_finite",
     "empty_state",
     "state_bytes",
+    "leafwise",
+    "leaf_update",
+    "LeafContext",
+    "accepts_inplace",
 ]
 
 Leaves = list[torch.Tensor]
@@ -105,9 +108,11 @@ def _params_leaves(params: TensorDictBase, tdef: TreeDef, fn: str) -> Leaves:
     return p
 
 
-def _leafwise(init: Callable, fn: LeafUpdate) -> GradientTransformation:
-    """A transformation whose public ``update`` flattens once, runs ``fn`` on leaf lists and
-    builds the TensorDicts once. ``chain`` and the train step call ``fn`` directly."""
+def leafwise(init: Callable, fn: LeafUpdate) -> GradientTransformation:
+    """A transformation from ``init`` and a leaf-level update ``fn(updates, state, params, ctx)``
+    over lists of tensors (see :class:`LeafContext`). Its public ``update`` flattens once, runs
+    ``fn`` and builds the TensorDicts once; ``chain`` and the train step call ``fn`` directly.
+    How the built-in transforms are written, for multi-tensor (``torch._foreach_*``) math."""
 
     def update(updates, state, params=None, *, inplace=False):
         u, tdef = tree.flatten(updates)
@@ -120,19 +125,13 @@ def _leafwise(init: Callable, fn: LeafUpdate) -> GradientTransformation:
     return GradientTransformation(init, update)
 
 
-_ADAPTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def leaf_update(t: GradientTransformation) -> LeafUpdate:
     """The leaf-level update of ``t`` (built-in transforms have one; for others, an adapter that
-    builds TensorDicts, calls ``t.update`` and flattens the result)."""
+    builds TensorDicts, calls ``t.update`` and flattens the result). Called when a chain or a
+    step is built, not per step."""
     fn = getattr(t.update, "_leaf_update", None)
     if fn is not None:
         return fn
-    try:
-        return _ADAPTED[t.update]
-    except (KeyError, TypeError):
-        pass
     takes_inplace = accepts_inplace(t.update)
 
     def adapted(u, s, p, ctx):
@@ -156,16 +155,12 @@ def leaf_update(t: GradientTransformation) -> LeafUpdate:
         held = {id(x) for x in out_s} | ({id(x) for x in p} if p is not None else set())
         return [x.clone() if id(x) in held else x for x in out_u], out_s
 
-    try:
-        _ADAPTED[t.update] = adapted
-    except TypeError:
-        pass
     return adapted
 
 
 def identity() -> GradientTransformation:
     """Leaves updates unchanged; no state."""
-    return _leafwise(lambda params: empty_state(), lambda u, s, p, ctx: (u, s))
+    return leafwise(lambda params: empty_state(), lambda u, s, p, ctx: (u, s))
 
 
 def stateless(
@@ -180,7 +175,7 @@ def stateless(
     def update(u, s, p, ctx):
         return list(fn(u, p)), s
 
-    return _leafwise(lambda params: empty_state(), update)
+    return leafwise(lambda params: empty_state(), update)
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
@@ -220,7 +215,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
                 owned = not any(a is b for a, b in zip(u, original))
         return u, new_s
 
-    return _leafwise(init, update)
+    return leafwise(init, update)
 
 
 def _bool(v) -> bool:
@@ -298,7 +293,7 @@ def masked(inner: GradientTransformation, mask) -> GradientTransformation:
             out[i] = x
         return out, new_s
 
-    return _leafwise(init, update)
+    return leafwise(init, update)
 
 
 def all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -368,7 +363,7 @@ def apply_if_finite(
         new_s[i_last] = finite
         return out_u, new_s
 
-    return _leafwise(init, update)
+    return leafwise(init, update)
 
 
 def state_bytes(opt_state: TensorDictBase) -> int:

@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
-from ftrain.optim.base import GradientTransformation, _leafwise
-from ftrain.optim.transforms import _count, _mul, _norms_and_roots, _same_keys
+from ftrain.optim.base import GradientTransformation, leafwise
+from ftrain.optim.kernels import check_same_keys, mul, norms_and_roots, zero_count
 
 __all__ = ["scale_by_factored_rms", "scale_by_param_block_rms"]
 
@@ -76,7 +76,7 @@ def scale_by_factored_rms(
 
         return TensorDict(
             {
-                "count": _count(),
+                "count": zero_count(),
                 "v_row": slot(_row_shape, _factored),
                 "v_col": slot(_col_shape, _factored),
                 "v": slot(lambda p: p.shape, lambda p: not _factored(p)),
@@ -86,7 +86,7 @@ def scale_by_factored_rms(
 
     def update(g, s, p, ctx):
         sdef = ctx.state
-        _same_keys(ctx, "scale_by_factored_rms", "v_row", "v_col", "v")
+        check_same_keys(ctx, "scale_by_factored_rms", "v_row", "v_col", "v")
         i_count = sdef.index("count")
         spans = [sdef.span(k) for k in ("v_row", "v_col", "v")]
         rows, cols, vs = (s[lo:hi] for lo, hi in spans)
@@ -123,7 +123,7 @@ def scale_by_factored_rms(
             new_s[lo:hi] = new
         return out, new_s
 
-    return _leafwise(init, update)
+    return leafwise(init, update)
 
 
 def scale_by_param_block_rms(min_scale: float = 1e-3) -> GradientTransformation:
@@ -139,8 +139,8 @@ def scale_by_param_block_rms(min_scale: float = 1e-3) -> GradientTransformation:
             raise ValueError(
                 "scale_by_param_block_rms needs params: call update(updates, state, params)."
             )
-        norms, roots = _norms_and_roots(p)
+        norms, roots = norms_and_roots(p)
         factors = (norms / roots).clamp_min(min_scale).to(torch.float32).unbind()
-        return _mul(u, list(factors), ctx.owned), s
+        return mul(u, list(factors), ctx.owned), s
 
-    return _leafwise(lambda params: TensorDict({}, batch_size=[]), update)
+    return leafwise(lambda params: TensorDict({}, batch_size=[]), update)

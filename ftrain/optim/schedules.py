@@ -210,3 +210,15 @@ def wsd(
         ],
         [w, w + s],
     )
+
+
+def as_schedule(lr: float | Schedule, name: str = "learning rate") -> Schedule:
+    """``lr`` as a schedule: a schedule as it is, a number ``>= 0`` as a constant schedule."""
+    if callable(lr):
+        return lr
+    if not isinstance(lr, (int, float)) or isinstance(lr, bool):
+        raise TypeError(f"{name} must be a number or a schedule function, got {lr!r}.")
+    if lr < 0:
+        raise ValueError(f"{name} must be >= 0, got {lr}.")
+    value = float(lr)
+    return lambda count: torch.full((), value, dtype=torch.float64, device=count.device)

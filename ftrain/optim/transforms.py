@@ -19,11 +19,12 @@ from tensordict import TensorDict
 
 from ftrain.optim.base import (
     GradientTransformation,
-    LeafContext,
-    _leafwise,
     empty_state,
+    leafwise,
     masked,
 )
+from ftrain.optim.kernels import add_, check_same_keys, mul, norms_and_roots, zero_count
+from ftrain.optim.schedules import as_schedule
 
 __all__ = [
     "scale",
@@ -45,37 +46,6 @@ def _zeros(params) -> TensorDict:
     return params.apply(torch.zeros_like)
 
 
-def _count() -> torch.Tensor:
-    return torch.zeros((), dtype=torch.int64)
-
-
-def _mul(u: list[torch.Tensor], factor, owned: bool) -> list[torch.Tensor]:
-    """``u * factor``, in place when the update tensors are ours to overwrite."""
-    if owned:
-        torch._foreach_mul_(u, factor)
-        return u
-    return list(torch._foreach_mul(u, factor))
-
-
-def _add_(u: list[torch.Tensor], value: torch.Tensor) -> None:
-    """``u += value`` for a 0-d tensor ``value``. Dynamo turns the single-tensor overload into a
-    host read (a graph break), so while compiling it is given as a list."""
-    if torch.compiler.is_compiling():
-        torch._foreach_add_(u, [value] * len(u))
-    else:
-        torch._foreach_add_(u, value)
-
-
-def _same_keys(ctx: LeafContext, fn: str, *names: str) -> None:
-    """Check that the state's per-parameter sub-trees have the updates' keys, in their order."""
-    for name in names:
-        if ctx.state.child(name) != ctx.tree:
-            raise KeyError(
-                f"{fn}: state[{name!r}] does not have the keys of the updates (or not in the same "
-                "order). Build the state with this optimizer's init(params)."
-            )
-
-
 def global_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The L2 norm of all ``tensors`` taken together, as a 0-d fp32 tensor (no host sync)."""
     if not tensors:
@@ -89,20 +59,9 @@ def scale(factor: float) -> GradientTransformation:
         raise TypeError(f"scale(factor): factor must be a number, got {factor!r}.")
 
     def update(u, s, p, ctx):
-        return _mul(u, factor, ctx.owned), s
+        return mul(u, factor, ctx.owned), s
 
-    return _leafwise(lambda params: empty_state(), update)
-
-
-def _as_schedule(lr: float | Schedule, name: str = "learning rate") -> Schedule:
-    if callable(lr):
-        return lr
-    if not isinstance(lr, (int, float)) or isinstance(lr, bool):
-        raise TypeError(f"{name} must be a number or a schedule function, got {lr!r}.")
-    if lr < 0:
-        raise ValueError(f"{name} must be >= 0, got {lr}.")
-    value = float(lr)
-    return lambda count: torch.full((), value, dtype=torch.float64, device=count.device)
+    return leafwise(lambda params: empty_state(), update)
 
 
 def scale_by_learning_rate(
@@ -114,25 +73,25 @@ def scale_by_learning_rate(
     evaluated at the number of updates applied so far (0 for the first). The state holds that
     ``count`` and the ``lr`` just used, which the train step reports as ``metrics["lr"]``.
     """
-    schedule = _as_schedule(learning_rate)
+    schedule = as_schedule(learning_rate)
     sign = -1.0 if flip_sign else 1.0
 
     def init(params):
         del params
         return TensorDict(
-            {"count": _count(), "lr": torch.zeros((), dtype=torch.float32)}, batch_size=[]
+            {"count": zero_count(), "lr": torch.zeros((), dtype=torch.float32)}, batch_size=[]
         )
 
     def update(u, s, p, ctx):
         i_count, i_lr = ctx.state.index("count"), ctx.state.index("lr")
         count = s[i_count]
         lr = schedule(count).to(torch.float64)
-        u = _mul(u, (sign * lr).to(torch.float32), ctx.owned)
+        u = mul(u, (sign * lr).to(torch.float32), ctx.owned)
         new_s = list(s)
         new_s[i_count], new_s[i_lr] = count + 1, lr.to(torch.float32)
         return u, new_s
 
-    return _leafwise(init, update)
+    return leafwise(init, update)
 
 
 def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
@@ -147,17 +106,17 @@ def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
 
     def init(params):
         del params
-        return TensorDict({"count": _count()}, batch_size=[])
+        return TensorDict({"count": zero_count()}, batch_size=[])
 
     def update(u, s, p, ctx):
         i_count = ctx.state.index("count")
         count = s[i_count]
-        u = _mul(u, step_size_fn(count).to(torch.float32), ctx.owned)
+        u = mul(u, step_size_fn(count).to(torch.float32), ctx.owned)
         new_s = list(s)
         new_s[i_count] = count + 1
         return u, new_s
 
-    return _leafwise(init, update)
+    return leafwise(init, update)
 
 
 def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
@@ -170,7 +129,7 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
         return TensorDict({"trace": _zeros(params)}, batch_size=[])
 
     def update(g, s, p, ctx):
-        _same_keys(ctx, "trace", "trace")
+        check_same_keys(ctx, "trace", "trace")
         lo, hi = ctx.state.span("trace")
         m = s[lo:hi]
         if ctx.inplace:
@@ -194,7 +153,7 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
         new_s[lo:hi] = m
         return u, new_s
 
-    return _leafwise(init, update)
+    return leafwise(init, update)
 
 
 def add_decayed_weights(weight_decay: float = 0.0, mask=None) -> GradientTransformation:
@@ -220,7 +179,7 @@ def add_decayed_weights(weight_decay: float = 0.0, mask=None) -> GradientTransfo
             return u, s
         return list(torch._foreach_add(u, p, alpha=weight_decay)), s
 
-    t = _leafwise(lambda params: empty_state(), update)
+    t = leafwise(lambda params: empty_state(), update)
     return masked(t, mask) if mask is not None else t
 
 
@@ -233,16 +192,9 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     def update(u, s, p, ctx):
         norm = global_norm(u)
         factor = (max_norm / norm.clamp_min(torch.finfo(norm.dtype).tiny)).clamp(max=1.0)
-        return _mul(u, factor, ctx.owned), s
+        return mul(u, factor, ctx.owned), s
 
-    return _leafwise(lambda params: empty_state(), update)
-
-
-def _norms_and_roots(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """1-d float64 tensors: each tensor's L2 norm (one multi-tensor kernel) and ``sqrt(numel)``."""
-    norms = torch.stack(torch._foreach_norm(tensors)).to(torch.float64)
-    roots = torch.tensor([t.numel() ** 0.5 for t in tensors], dtype=torch.float64)
-    return norms, roots.to(norms.device)
+    return leafwise(lambda params: empty_state(), update)
 
 
 def clip_by_block_rms(threshold: float) -> GradientTransformation:
@@ -253,12 +205,12 @@ def clip_by_block_rms(threshold: float) -> GradientTransformation:
         raise ValueError(f"clip_by_block_rms(threshold): must be a number > 0, got {threshold!r}.")
 
     def update(u, s, p, ctx):
-        norms, roots = _norms_and_roots(u)
+        norms, roots = norms_and_roots(u)
         denom = (norms / (roots * threshold)).clamp_min(1.0)  # torch: max(1, ||U|| / (sqrt(n) d))
         factors = list(denom.reciprocal().to(torch.float32).unbind())
-        return _mul(u, factors, ctx.owned), s
+        return mul(u, factors, ctx.owned), s
 
-    return _leafwise(lambda params: empty_state(), update)
+    return leafwise(lambda params: empty_state(), update)
 
 
 def scale_by_adam(
@@ -275,12 +227,12 @@ def scale_by_adam(
 
     def init(params):
         return TensorDict(
-            {"count": _count(), "mu": _zeros(params), "nu": _zeros(params)}, batch_size=[]
+            {"count": zero_count(), "mu": _zeros(params), "nu": _zeros(params)}, batch_size=[]
         )
 
     def update(g, s, p, ctx):
         sdef = ctx.state
-        _same_keys(ctx, "scale_by_adam", "mu", "nu")
+        check_same_keys(ctx, "scale_by_adam", "mu", "nu")
         i_count = sdef.index("count")
         (m_lo, m_hi), (v_lo, v_hi) = sdef.span("mu"), sdef.span("nu")
         mu, nu = s[m_lo:m_hi], s[v_lo:v_hi]
@@ -308,7 +260,7 @@ def scale_by_adam(
         else:
             u = list(torch._foreach_sqrt(torch._foreach_add(nu, eps_root) if eps_root else nu))
         torch._foreach_mul_(u, (bc1 / bc2_sqrt).to(torch.float32))
-        _add_(u, (eps * bc1).to(torch.float32))
+        add_(u, (eps * bc1).to(torch.float32))
         torch._foreach_reciprocal_(u)
         torch._foreach_mul_(u, mu)
         new_s = list(s)
@@ -317,7 +269,7 @@ def scale_by_adam(
         new_s[v_lo:v_hi] = nu
         return u, new_s
 
-    return _leafwise(init, update)
+    return leafwise(init, update)
 
 
 def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
@@ -328,7 +280,7 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
         return TensorDict({"mu": _zeros(params)}, batch_size=[])
 
     def update(g, s, p, ctx):
-        _same_keys(ctx, "scale_by_lion", "mu")
+        check_same_keys(ctx, "scale_by_lion", "mu")
         lo, hi = ctx.state.span("mu")
         m = s[lo:hi]
         u = list(torch._foreach_lerp(m, g, 1 - b1))
@@ -341,4 +293,4 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
         new_s[lo:hi] = m
         return u, new_s
 
-    return _leafwise(init, update)
+    return leafwise(init, update)
