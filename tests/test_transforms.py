@@ -494,18 +494,3 @@ def test_transform_of_a_plain_function_is_refused(transform):
 
     with pytest.raises(TypeError, match=r"expected an ft\.Step, got function.*ft\.train_step"):
         transform(my_step)
-
-
-# --- the guide -------------------------------------------------------------------------------
-
-
-def test_docs_transforms_examples_run():
-    """Every Python block of docs/transforms.md runs, in order, as one script."""
-    import re
-    from pathlib import Path
-
-    text = (Path(__file__).parents[1] / "docs" / "transforms.md").read_text()
-    namespace: dict = {}
-    for block in re.findall(r"```python\n(.*?)```", text, re.S):
-        exec(compile(block, "docs/transforms.md", "exec"), namespace)
-    assert namespace["step"].transforms == ("clip_report", "accumulate", "checkpoint", "compile")
