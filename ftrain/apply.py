@@ -2,7 +2,9 @@
 
 An ``nn.Module`` is used only as a *template*: its code runs, its tensors do not. ``apply`` places
 the given tensors where the module keeps its parameters for the extent of one call, as
-``torch.func.functional_call`` does, and puts the module's own tensors back afterwards.
+``torch.func.functional_call`` does, and puts the module's own tensors back afterwards. Where a
+module keeps them (its ``_parameters``/``_buffers`` tables, nn.Module's internals that
+``functional_call`` also writes) is read here and nowhere else (:func:`param_slots`).
 
 Transforms reach the model through two scoped values (:mod:`ftrain.scoped`) that the step sets
 around its forward and its call: the *rewrites* (objects with ``rewrite(module) -> module``, e.g.
@@ -16,7 +18,7 @@ owns the cache lives. Outside a step, or while ``torch.compile`` traces, nothing
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from itertools import chain
 from operator import is_
 from typing import Protocol
@@ -28,7 +30,7 @@ from torch import nn
 from ftrain import tree
 from ftrain.scoped import Scoped
 
-__all__ = ["apply", "Rewrite", "rewriting", "ApplyCache", "caching"]
+__all__ = ["apply", "Rewrite", "rewriting", "ApplyCache", "caching", "param_slots"]
 
 
 class Rewrite(Protocol):
@@ -143,6 +145,13 @@ def apply(module: nn.Module, params: TensorDictBase, *args, buffers=None, **kwar
         if target is None:
             target = plan.rewritten[key] = _rewritten(module, rewrites)
     return _call_swapped(plan, slots, tensors, target, args, kwargs)
+
+
+def param_slots(modules: Iterable[nn.Module]) -> list[tuple[dict, str]]:
+    """``(table, name)`` for every parameter owned by ``modules``: ``table[name]`` is where the
+    module keeps it (its ``_parameters`` dict, where ``functional_call`` and :func:`apply` place
+    tensors). For code that places other tensors for a while, and puts the old ones back."""
+    return [(m._parameters, name) for m in modules for name in m._parameters]
 
 
 def _rewritten(module: nn.Module, rewrites: tuple[Rewrite, ...]) -> nn.Module:

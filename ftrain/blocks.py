@@ -7,7 +7,8 @@ the way from the root to each block, shallowly, and gives each block's copy a ne
 Every parameter, buffer and untouched submodule is shared with the original, so ``ft.apply``
 places its tensors exactly as for the original; the original module and its submodules are left
 as they were. Building the copy is plain Python that ``torch.compile`` traces, so a compiled step
-stays one graph.
+stays one graph. This is the one module that writes a submodule table (nn.Module's private
+``_modules``), and only ever a copy's.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ftrain import rng, tree
+from ftrain import dynamo, rng, tree
 from ftrain.distributed import DistributedError, run_distributed
 from ftrain.state import TrainState
 from ftrain.step import Step
@@ -170,10 +170,6 @@ def assert_no_recompile(
 
     Returns the final state and the metrics of every call.
     """
-    from torch._dynamo import config as dynamo_config
-    from torch._dynamo.exc import RecompileError
-    from torch._dynamo.utils import counters
-
     if not isinstance(step, Step) or not _compiled(step):
         raise TypeError(
             "assert_no_recompile(step, ...): step must be compiled; pass ft.compile(step)."
@@ -187,17 +183,17 @@ def assert_no_recompile(
     history = []
     state, metrics = step(state, batches[0])
     history.append(metrics)
-    frames = counters["frames"]["total"]
+    frames = dynamo.frames_compiled()
     for i, batch in enumerate(batches[1:], start=2):
         try:
-            with dynamo_config.patch(error_on_recompile=True):
+            with dynamo.error_on_recompile():
                 state, metrics = step(state, batch)
-        except RecompileError as e:
+        except dynamo.recompile_error() as e:
             raise AssertionError(f"assert_no_recompile: call {i} recompiled the step: {e}") from e
         history.append(metrics)
-        if counters["frames"]["total"] != frames:
+        if dynamo.frames_compiled() != frames:
             raise AssertionError(
-                f"assert_no_recompile: call {i} compiled {counters['frames']['total'] - frames} "
+                f"assert_no_recompile: call {i} compiled {dynamo.frames_compiled() - frames} "
                 "new frame(s) after the warm-up call. Run with TORCH_LOGS=recompiles,graph_breaks "
                 "to see which."
             )
@@ -213,9 +209,6 @@ def assert_one_graph(step: Step, state: TrainState, batch: Any) -> torch.fx.Grap
     generation: seconds, not minutes). A break fails with dynamo's reasons for it. ``state`` is
     not modified. Returns the graph, e.g. to look at the ops it holds (``graph.print_readable()``).
     """
-    from torch._dynamo import config as dynamo_config
-    from torch._dynamo.utils import counters
-
     if not isinstance(step, Step) or _compiled(step):
         raise TypeError(
             "assert_one_graph(step, ...): pass the step before ft.compile (an ft.Step); the "
@@ -227,12 +220,12 @@ def assert_one_graph(step: Step, state: TrainState, batch: Any) -> torch.fx.Grap
         graphs.append(gm)
         return gm.forward
 
-    breaks_before = dict(counters["graph_break"])
+    breaks_before = dynamo.graph_breaks()
     # Each call compiles anew (a new backend); a raised limit keeps earlier calls from using up
     # the entries dynamo allows per function, which would make it run the step eagerly.
-    with dynamo_config.patch(recompile_limit=1 << 20, accumulated_recompile_limit=1 << 20):
+    with dynamo.unlimited_recompiles():
         ft_compile(step, backend=record)(state.clone(), batch)
-    breaks = [r for r, n in counters["graph_break"].items() if n > breaks_before.get(r, 0)]
+    breaks = [r for r, n in dynamo.graph_breaks().items() if n > breaks_before.get(r, 0)]
     if len(graphs) != 1 or breaks:
         listed = "; ".join(r.strip().splitlines()[0] for r in breaks) or "none recorded"
         raise AssertionError(

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ftrain.apply import param_slots
 from ftrain.blocks import find_blocks, replace_forwards
 from ftrain.distributed.collectives import gather_leaves, reduce_scatter_leaves
 from ftrain.distributed.dtensor import dtensor, from_local, is_dtensor
@@ -139,9 +140,10 @@ class _Session:
         self.saved: dict[int, tuple[_Gathered, int, torch.dtype]] = {}  # storage ptr -> source
 
     @contextlib.contextmanager
-    def gathered(self, slots: list[tuple[nn.Module, str]]) -> Iterator[None]:
-        """The parameters at ``slots`` (``(owner, name)``) whole for the extent of the block."""
-        current = [m._parameters[n] for m, n in slots]
+    def gathered(self, slots: list[tuple[dict, str]]) -> Iterator[None]:
+        """The parameters at ``slots`` (``ftrain.apply.param_slots``) whole for the extent of the
+        block."""
+        current = [table[name] for table, name in slots]
         order: dict[int, int] = {}
         shards = []
         for t in current:
@@ -159,14 +161,14 @@ class _Session:
                 ptr = w.untyped_storage().data_ptr()
                 self.saved[ptr] = (gathered, i, w.dtype)
                 ptrs.append(ptr)
-        for (m, n), t in zip(slots, current):
+        for (table, name), t in zip(slots, current):
             if id(t) in order:
-                m._parameters[n] = whole[order[id(t)]]
+                table[name] = whole[order[id(t)]]
         try:
             yield
         finally:
-            for (m, n), t in zip(slots, current):
-                m._parameters[n] = t
+            for (table, name), t in zip(slots, current):
+                table[name] = t
             for p in ptrs:  # the whole tensors die now; their addresses may be reused
                 self.saved.pop(p, None)
 
@@ -207,7 +209,7 @@ def saved_as_shards(mesh) -> Iterator[None]:
         yield
 
 
-def _gathering(slots: list[tuple[nn.Module, str]]):
+def _gathering(slots: list[tuple[dict, str]]):
     """The forward maker of :func:`ftrain.blocks.replace_forwards`: run the module with the
     parameters at ``slots`` gathered."""
 
@@ -226,8 +228,6 @@ def gathering_copy(module: nn.Module) -> nn.Module:
     parameters while they run, and whose other parameters are gathered for the whole call."""
     blocks = find_blocks(module)
     inside = {id(m) for b in blocks for m in b.modules()}
-    root = [(m, n) for m in module.modules() if id(m) not in inside for n in m._parameters]
-    replacements = [
-        (b, _gathering([(m, n) for m in b.modules() for n in m._parameters])) for b in blocks
-    ]
+    root = param_slots(m for m in module.modules() if id(m) not in inside)
+    replacements = [(b, _gathering(param_slots(b.modules()))) for b in blocks]
     return replace_forwards(module, [*replacements, (module, _gathering(root))])

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from ftrain.dynamo import tracing_autograd
 from ftrain.step import Step, StepFn, Transform
 from ftrain.step.transform import INNER_HOOKS
 
@@ -49,12 +50,9 @@ def _tracing_autograd(fn: StepFn) -> StepFn:
     """``fn`` called with dynamo tracing ``torch.autograd.grad`` into the graph instead of breaking
     the graph at it. The setting is read while dynamo traces (first call, recompiles), so it is set
     around every call and restored after; other compiled code in the process is left as it was."""
-    config = torch._dynamo.config
-    if not hasattr(config, "trace_autograd_ops"):  # older torch: the step breaks at the backward
-        return fn
 
     def compiled_step(state, batch):
-        with config.patch(trace_autograd_ops=True):
+        with tracing_autograd():
             return fn(state, batch)
 
     return compiled_step

@@ -1,0 +1,67 @@
+"""The settings and counters of ``torch._dynamo`` that ftrain uses: the one module reaching into
+dynamo's private namespace. Every setting is scoped to a ``with`` block and restored after.
+
+``torch.compiler`` has no public switch for tracing ``torch.autograd.grad`` into the graph, nor a
+public count of compiled frames and graph breaks; these wrap ``torch._dynamo.config`` and
+``torch._dynamo.utils.counters`` until it does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+__all__ = [
+    "tracing_autograd",
+    "error_on_recompile",
+    "unlimited_recompiles",
+    "frames_compiled",
+    "graph_breaks",
+    "recompile_error",
+]
+
+
+def _config():
+    return torch._dynamo.config
+
+
+def tracing_autograd() -> contextlib.AbstractContextManager:
+    """Dynamo traces ``torch.autograd.grad`` into the graph instead of breaking the graph at it
+    (``trace_autograd_ops``), for the extent of the block. A no-op on a torch without it."""
+    config = _config()
+    if not hasattr(config, "trace_autograd_ops"):
+        return contextlib.nullcontext()
+    return config.patch(trace_autograd_ops=True)
+
+
+def error_on_recompile() -> contextlib.AbstractContextManager:
+    """A recompile inside the block raises :func:`recompile_error` with dynamo's reason."""
+    return _config().patch(error_on_recompile=True)
+
+
+def unlimited_recompiles() -> contextlib.AbstractContextManager:
+    """No limit on the entries dynamo compiles per function inside the block (so that many
+    deliberate compiles of one function do not make it fall back to eager)."""
+    return _config().patch(recompile_limit=1 << 20, accumulated_recompile_limit=1 << 20)
+
+
+def frames_compiled() -> int:
+    """How many frames dynamo has compiled in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return counters["frames"]["total"]
+
+
+def graph_breaks() -> dict[str, int]:
+    """Dynamo's graph-break reasons so far in this process, each with its count (a copy)."""
+    from torch._dynamo.utils import counters
+
+    return dict(counters["graph_break"])
+
+
+def recompile_error() -> type[Exception]:
+    """The exception :func:`error_on_recompile` raises."""
+    from torch._dynamo.exc import RecompileError
+
+    return RecompileError
