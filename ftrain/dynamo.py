@@ -19,6 +19,7 @@ __all__ = [
     "frames_compiled",
     "graph_breaks",
     "recompile_error",
+    "refused_rematerialization",
 ]
 
 
@@ -65,3 +66,12 @@ def recompile_error() -> type[Exception]:
     from torch._dynamo.exc import RecompileError
 
     return RecompileError
+
+
+def refused_rematerialization(error: BaseException) -> bool:
+    """Whether ``error`` is the compiler refusing to recompute checkpointed regions inside a graph
+    that holds the forward, the loss and the backward (``trace_autograd_ops``). torch 2.13 refuses
+    regions that hold an op tagged ``nondeterministic_seeded`` (dropout, and every
+    ``scaled_dot_product_attention`` kernel, even at dropout 0) and more than one backward that
+    recomputes (gradient accumulation). Recognized by its message, which names that graph."""
+    return "forward-loss-backward" in str(error)

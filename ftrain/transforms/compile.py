@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 
-from ftrain.dynamo import tracing_autograd
+from ftrain.dynamo import refused_rematerialization, tracing_autograd
 from ftrain.step import Step, StepFn, Transform
 from ftrain.step.transform import INNER_HOOKS
 
@@ -40,22 +41,44 @@ class Compile(Transform):
                 )
 
     def wrap(self, fn: StepFn) -> StepFn:
-        return _tracing_autograd(torch.compile(fn, **self.kwargs))
+        return _CompiledStep(torch.compile(fn, **self.kwargs))
 
     def __repr__(self) -> str:
         return f"Compile({', '.join(f'{k}={v!r}' for k, v in self.kwargs.items())})"
 
 
-def _tracing_autograd(fn: StepFn) -> StepFn:
-    """``fn`` called with dynamo tracing ``torch.autograd.grad`` into the graph instead of breaking
-    the graph at it. The setting is read while dynamo traces (first call, recompiles), so it is set
-    around every call and restored after; other compiled code in the process is left as it was."""
+class _CompiledStep:
+    """``torch.compile`` of the step function, called with dynamo tracing ``torch.autograd.grad``
+    into the graph (scoped to each call: the setting is read while dynamo traces).
 
-    def compiled_step(state, batch):
-        with tracing_autograd():
-            return fn(state, batch)
+    Where the compiler refuses to recompute checkpointed blocks inside that one graph (see
+    ``ftrain.dynamo.refused_rematerialization``), the backward is compiled apart instead: dynamo
+    then hands the forward to AOT autograd, whose joint graph recomputes the blocks with their
+    random numbers, and the update is a graph of its own. That is decided on the first call (the
+    compile is refused before anything runs, so nothing was changed) and said once.
+    """
 
-    return compiled_step
+    def __init__(self, fn: StepFn):
+        self.fn = fn
+        self.backward_apart = False
+
+    def __call__(self, state, batch):
+        if not self.backward_apart:
+            try:
+                with tracing_autograd():
+                    return self.fn(state, batch)
+            except Exception as e:
+                if not refused_rematerialization(e):
+                    raise
+                self.backward_apart = True
+                warnings.warn(
+                    "ft.compile: the compiler cannot recompute the checkpointed blocks inside one "
+                    "graph of forward, backward and update (they draw random numbers, e.g. "
+                    "dropout or scaled_dot_product_attention, or several micro-batches recompute); "
+                    "compiling the backward apart instead (same results, same memory).",
+                    stacklevel=3,
+                )
+        return self.fn(state, batch)
 
 
 def compile(step: Step, **torch_compile_kwargs) -> Step:  # noqa: A001 - mirrors torch.compile
@@ -65,8 +88,13 @@ def compile(step: Step, **torch_compile_kwargs) -> Step:  # noqa: A001 - mirrors
     The gradient is ``torch.autograd.grad`` inside the step; dynamo traces it (its
     ``trace_autograd_ops`` setting, switched on for the compiled calls only), so forward, backward
     and update are one graph that inductor fuses across: the optimizer's pointwise math lands in
-    the kernels that produce the gradients. ``ft.checkpoint`` compiles into the same graph (its
-    blocks become checkpointed regions that AOT autograd recomputes in backward).
+    the kernels that produce the gradients. Dynamo captures ``ft.checkpoint``'s blocks in that
+    graph too, as checkpointed regions. torch 2.13's compiler recomputes such regions inside a
+    graph that holds the backward only when they draw no random numbers (no dropout, and no
+    ``scaled_dot_product_attention``, whose kernels are tagged as random even at dropout 0) and
+    only one backward recomputes (no ``ft.accumulate``); otherwise the backward is compiled apart
+    (AOT autograd's joint graph, which handles both), with the same results and memory, and a
+    warning says so once.
 
     The seeding from ``state.rng``, the ``around_step`` contexts and the ``wrap`` hooks of
     transforms applied *after* compile run eagerly around the compiled function. Learning rates and
