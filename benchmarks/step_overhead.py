@@ -86,7 +86,7 @@ imperative loop with the AdamW nanoGPT builds on a CPU (torch's default: a loop 
 {times}
 """
 BABY_PROFILE = """
-Where the time goes (`--profile`, torch.profiler, 20 steps each): self CPU µs per step of the ops
+Where the time goes (`--profile`, torch.profiler, 20 steps each, alternating): self CPU µs per step of the ops
 where ftrain's donated step and torch's loop differ most, and the time outside any op. The
 profiler's own cost per op inflates both totals: read the differences.
 
@@ -343,18 +343,21 @@ def baby_profile(quick: bool, steps: int = 20) -> list[str]:
 
     sides = baby_sides(quick)
     total, outside = "**step total**", "(outside any op: Python, dispatch)"
-    per_op: dict[str, dict[str, float]] = {}
-    for name in ("torch", "ftrain donate"):
-        fn = sides[name]
-        fn(), fn()  # warm-up
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            for _ in range(steps):
-                with record_function("## step ##"):
-                    fn()
-        events = prof.key_averages()
-        ops = {f"`{e.key}`": e.self_cpu_time_total / steps for e in events if e.key != "## step ##"}
-        step_us = next(e.cpu_time_total for e in events if e.key == "## step ##") / steps
-        per_op[name] = {**ops, outside: step_us - sum(ops.values()), total: step_us}
+    per_op: dict[str, dict[str, float]] = {"torch": {}, "ftrain donate": {}}
+    for name in per_op:
+        sides[name](), sides[name]()  # warm-up
+    for _ in range(steps // 5):  # 5 steps of each side at a time, alternating
+        for name, acc in per_op.items():
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(5):
+                    with record_function("## step ##"):
+                        sides[name]()
+            for e in prof.key_averages():
+                us = (e.cpu_time_total if e.key == "## step ##" else e.self_cpu_time_total) / steps
+                key = total if e.key == "## step ##" else f"`{e.key}`"
+                acc[key] = acc.get(key, 0.0) + us
+    for acc in per_op.values():
+        acc[outside] = 2 * acc[total] - sum(acc.values())  # the step less every op in it
     a, b = per_op["torch"], per_op["ftrain donate"]
     diff = {k: b.get(k, 0.0) - a.get(k, 0.0) for k in a.keys() | b.keys()}
     ranked = sorted((k for k in diff if k not in (total, outside)), key=lambda k: -abs(diff[k]))
