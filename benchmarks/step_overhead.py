@@ -20,6 +20,11 @@ targets refer to ``donate=True``, the like-for-like comparison with ``torch.opti
 update; ``donate=False`` is reported beside it. Then the optimizer update alone: ftrain's AdamW
 (pure, and in place) against ``torch.optim.AdamW`` foreach and fused ``.step()``.
 
+nanoGPT's CPU "baby GPT" (``--only nanogpt-baby``; vocab 65, 4 layers, 128 wide, block 64, batch
+12, AdamW with a per-step learning rate, decay on matrices, clipping): ftrain's step against the
+same model's imperative loop with the AdamW nanoGPT builds on a CPU (target <= 1.05) and with
+``foreach=True``. ``--profile`` adds torch.profiler's self CPU time per op and step, both sides.
+
 Timing: every side runs one step per round, the order rotating, and each ratio is a ratio of
 medians over rounds, so a machine shared with other work slows all sides alike.
 Targets are judged on CPU time (this process, all threads), which waiting for a core does not
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import os
 import statistics
 import time
@@ -60,6 +66,34 @@ costs more than the donated one because it allocates new params and moments ever
 CPU a fresh multi-megabyte tensor costs several times an in-place pass over it. In isolation
 ftrain's AdamW is a chain of multi-tensor kernels (optax-style building blocks); torch's fused
 AdamW is one pass per tensor, about 3x faster than either foreach version."""
+# nanoGPT's baby GPT on shakespeare_char (its README's CPU run): the config and its AdamW.
+BABY = dict(vocab=65, d=128, n_layer=4, n_head=4, seq=64, batch=12, target=1.05)
+BABY_LR, BABY_MIN_LR, BABY_WD, BABY_CLIP, BABY_WARMUP, BABY_ITERS = 1e-3, 1e-4, 0.1, 1.0, 100, 2000
+BABY_TEXT = """
+### nanoGPT's baby GPT
+
+`--only nanogpt-baby`: vocab 65, 4 layers, 128 wide, block 64, batch 12, AdamW (betas 0.9/0.99,
+weight decay 0.1 on matrices, the learning rate set every step), clipped at norm 1. `torch` is the
+imperative loop with the AdamW nanoGPT builds on a CPU (torch's default: a loop over tensors),
+`torch foreach` the multi-tensor one. Medians of {n} interleaved rounds; load {load:.1f} at the end.
+
+| ratio | CPU time (judged) | wall time | target | met |
+| --- | ---: | ---: | ---: | :---: |
+{rows}
+
+| | torch | torch foreach | ftrain donate | ftrain |
+| --- | ---: | ---: | ---: | ---: |
+{times}
+"""
+BABY_PROFILE = """
+Where the time goes (`--profile`, torch.profiler, 20 steps each, alternating): self CPU µs per step of the ops
+where ftrain's donated step and torch's loop differ most, and the time outside any op. The
+profiler's own cost per op inflates both totals: read the differences.
+
+| op | torch µs | ftrain donate µs | difference |
+| --- | ---: | ---: | ---: |
+{rows}
+"""
 SMALL_ROUNDS = 20  # times more rounds for the millisecond-long calls: medians of many short calls
 QUICK = {"compute-bound": (64, 2, 32, 8, 1.02), "overhead-bound": (32, 1, 16, 4, 1.15)}
 
@@ -215,6 +249,124 @@ def update_rows(sizes: dict, n_rounds: int) -> list[str]:
     return out
 
 
+# -- nanoGPT's baby GPT -------------------------------------------------------------------------
+
+
+def baby_gpt(quick: bool) -> GPT:
+    torch.manual_seed(0)
+    d, n_layer = (32, 1) if quick else (BABY["d"], BABY["n_layer"])
+    config = GPTConfig(vocab_size=BABY["vocab"], seq_len=BABY["seq"], d_model=d, n_layer=n_layer,
+                       n_head=BABY["n_head"], bias=False, dropout=0.0)  # fmt: skip
+    return GPT(config)
+
+
+def baby_lr(it: int) -> float:
+    """The learning rate at iteration ``it``: linear warmup, cosine to the minimum."""
+    if it < BABY_WARMUP:
+        return BABY_LR * it / BABY_WARMUP
+    frac = min(1.0, (it - BABY_WARMUP) / (BABY_ITERS - BABY_WARMUP))
+    return BABY_MIN_LR + 0.5 * (1 + math.cos(math.pi * frac)) * (BABY_LR - BABY_MIN_LR)
+
+
+def baby_torch_side(model: GPT, data: dict, **adamw_kw) -> Callable[[], None]:
+    model = copy.deepcopy(model)
+    params = list(model.parameters())
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": BABY_WD},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    opt = torch.optim.AdamW(groups, lr=BABY_LR, betas=(0.9, 0.99), **adamw_kw)
+    x, y, it = data["input"], data["target"], [0]
+
+    def step() -> None:
+        for group in opt.param_groups:  # the schedule, set by hand every iteration
+            group["lr"] = baby_lr(it[0])
+        logits = model(x)  # (B, T, vocab)
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, BABY_CLIP)
+        opt.step()
+        it[0] += 1
+
+    return step
+
+
+def baby_ftrain_side(model: GPT, data: dict, donate: bool) -> Callable[[], None]:
+    def loss_fn(params, b):
+        return ft.losses.cross_entropy(ft.apply(model, params, b["input"]), b["target"])
+
+    schedule = ft.optim.warmup_cosine(BABY_LR, BABY_WARMUP, BABY_ITERS, end_value=BABY_MIN_LR)
+    adamw = ft.optim.adamw(schedule, b2=0.99, weight_decay=BABY_WD, mask=ft.optim.decay_mask)
+    opt = ft.optim.chain(ft.optim.clip_by_global_norm(BABY_CLIP), adamw)
+    step = ft.train_step(loss_fn, opt, donate=donate)
+    box = [ft.TrainState.create(ft.params_of(model), opt)]
+
+    def run() -> None:
+        box[0], _ = step(box[0], data)
+
+    return run
+
+
+def baby_sides(quick: bool) -> dict[str, Callable[[], None]]:
+    model = baby_gpt(quick)
+    data = batch(BABY["vocab"], BABY["batch"], BABY["seq"])
+    return {
+        "torch": baby_torch_side(model, data),  # nanoGPT's AdamW on a CPU: torch's default
+        "torch foreach": baby_torch_side(model, data, foreach=True),
+        "ftrain donate": baby_ftrain_side(model, data, donate=True),
+        "ftrain": baby_ftrain_side(model, data, donate=False),
+    }
+
+
+def baby_rows(quick: bool, n_rounds: int) -> tuple[list[str], str]:
+    t = rounds(baby_sides(quick), n_rounds)
+    rows = []
+    for side, base in (("ftrain donate", "torch"), ("ftrain donate", "torch foreach"),
+                       ("ftrain", "torch"), ("torch foreach", "torch")):  # fmt: skip
+        cpu, wall = (t[side][k] / t[base][k] for k in ("cpu", "wall"))
+        judged = (side, base) == ("ftrain donate", "torch")
+        target, met = ("", "")
+        if judged:
+            target, met = f"≤ {BABY['target']}", "yes" if cpu <= BABY["target"] else "**no**"
+        rows.append(f"| {side} / {base} | {cpu:.3f} | {wall:.3f} | {target} | {met} |")
+        print(rows[-1], flush=True)
+    times = "| CPU ms per step | " + " | ".join(f"{t[k]['cpu'] * 1e3:.2f}" for k in t) + " |"
+    print(times, flush=True)
+    return rows, times
+
+
+def baby_profile(quick: bool, steps: int = 20) -> list[str]:
+    """Self CPU µs per step of each op (torch.profiler), ftrain donate against torch, the ops
+    where they differ most first; and the time outside any op (Python, dispatch)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    sides = baby_sides(quick)
+    total, outside = "**step total**", "(outside any op: Python, dispatch)"
+    per_op: dict[str, dict[str, float]] = {"torch": {}, "ftrain donate": {}}
+    for name in per_op:
+        sides[name](), sides[name]()  # warm-up
+    for _ in range(steps // 5):  # 5 steps of each side at a time, alternating
+        for name, acc in per_op.items():
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(5):
+                    with record_function("## step ##"):
+                        sides[name]()
+            for e in prof.key_averages():
+                us = (e.cpu_time_total if e.key == "## step ##" else e.self_cpu_time_total) / steps
+                key = total if e.key == "## step ##" else f"`{e.key}`"
+                acc[key] = acc.get(key, 0.0) + us
+    for acc in per_op.values():
+        acc[outside] = 2 * acc[total] - sum(acc.values())  # the step less every op in it
+    a, b = per_op["torch"], per_op["ftrain donate"]
+    diff = {k: b.get(k, 0.0) - a.get(k, 0.0) for k in a.keys() | b.keys()}
+    ranked = sorted((k for k in diff if k not in (total, outside)), key=lambda k: -abs(diff[k]))
+    keys = [total, outside, *ranked[:12]]
+    rows = [f"| {k} | {a.get(k, 0.0):.0f} | {b.get(k, 0.0):.0f} | {diff[k]:+.0f} |" for k in keys]
+    print("\n".join(rows), flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
@@ -226,18 +378,33 @@ def main() -> None:
     )
     parser.add_argument("--quick", action="store_true", help="tiny sizes, 3 rounds, no write")
     parser.add_argument(
-        "--only", choices=sorted(SIZES), help="measure one size (nothing written to RESULTS.md)"
+        "--only",
+        choices=[*sorted(SIZES), "nanogpt-baby"],
+        help="measure one size (nothing written to RESULTS.md)",
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="profile nanoGPT's baby GPT: where the time goes"
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     sizes, n_rounds = (QUICK, 3) if args.quick else (SIZES, args.rounds)
     if args.only:
-        sizes = {args.only: sizes[args.only]}
+        sizes = {args.only: sizes[args.only]} if args.only in sizes else {}
     load = os.getloadavg()[0]
     print(machine(), f"load {load:.1f}", flush=True)
 
     ratio_rows, time_rows = step_rows(sizes, n_rounds)
     opt_rows = update_rows(sizes, n_rounds)
+    baby = ""
+    if args.only in (None, "nanogpt-baby"):
+        baby_n = 3 if args.quick else 10 * n_rounds
+        rows, times = baby_rows(args.quick, baby_n)
+        profile_rows = baby_profile(args.quick) if args.profile else []
+        baby = BABY_TEXT.format(
+            n=baby_n, rows="\n".join(rows), times=times, load=os.getloadavg()[0]
+        )
+        if profile_rows:
+            baby += BABY_PROFILE.format(rows="\n".join(profile_rows))
     load_end = os.getloadavg()[0]
     body = f"""
 `python benchmarks/step_overhead.py` on {machine()}. AdamW (lr 1e-3, weight decay 0.01) on
@@ -267,7 +434,7 @@ The optimizer update alone, CPU µs per update (ratio to torch foreach): ftrain'
 {chr(10).join(opt_rows)}
 
 {NOTES}
-"""
+{baby}"""
     if args.quick or args.only:
         print(body)
     else:

@@ -12,6 +12,7 @@ step into a step::
 from ftrain import data, distributed, losses, models, optim, rng, tree
 from ftrain.apply import apply
 from ftrain.distributed import shard_state, unshard_state
+from ftrain.evaluate import evaluate
 from ftrain.io import (
     CheckpointError,
     latest_checkpoint,
@@ -22,7 +23,7 @@ from ftrain.io import (
     save_checkpoint,
 )
 from ftrain.losses import Loss
-from ftrain.state import TrainState, buffers_of, params_of, state_dict_of
+from ftrain.state import TrainState, buffers_of, param_count, params_of, state_dict_of
 from ftrain.step import Gradients, Step, Transform, train_step
 from ftrain.transforms import (
     accumulate,
@@ -60,6 +61,8 @@ __all__ = [
     "TrainState",
     "apply",
     "buffers_of",
+    "evaluate",
+    "param_count",
     "losses",
     "optim",
     "params_of",

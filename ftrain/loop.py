@@ -255,25 +255,21 @@ class _Report:
             self.bar.close()
 
 
-@torch.no_grad()
 def evaluate(model: torch.nn.Module, params, dataset, cfg: TrainConfig) -> float:
-    """Mean token loss over the first ``eval_batches`` batches of ``dataset`` (the same rows every
-    time, so losses of one run compare); ``model``'s train/eval mode is left as it was."""
-    total = count = 0.0
-    was_training = model.training
-    model.eval()
-    try:
+    """Mean token loss (``ft.evaluate``: exact, no gradients, eval mode) over the first
+    ``eval_batches`` batches of ``dataset``: the same rows every time, so losses of one run
+    compare. ``model`` is not changed."""
+
+    def loss_fn(params, batch):
+        return ft.losses.cross_entropy(ft.apply(model, params, batch["input"]), batch["target"])
+
+    def batches():
         n = min(len(dataset), cfg.eval_batches * cfg.batch_size)
         for start in range(0, n, cfg.batch_size):
             rows = [dataset[i] for i in range(start, min(start + cfg.batch_size, n))]
-            x = torch.stack([r["input"] for r in rows])
-            y = torch.stack([r["target"] for r in rows])
-            loss = ft.losses.cross_entropy(ft.apply(model, params, x), y)
-            total += float(loss.total)
-            count += float(loss.count)
-    finally:
-        model.train(was_training)
-    return total / max(count, 1.0)
+            yield {k: torch.stack([r[k] for r in rows]) for k in ("input", "target")}
+
+    return ft.evaluate(loss_fn, params, batches())["loss"]
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ from torch import nn
 
 from ftrain import tree
 
-__all__ = ["params_of", "buffers_of", "state_dict_of", "TrainState"]
+__all__ = ["params_of", "buffers_of", "state_dict_of", "param_count", "TrainState"]
 
 
 def params_of(module: nn.Module) -> TensorDict:
@@ -41,6 +41,24 @@ def state_dict_of(params: TensorDictBase) -> dict[str, torch.Tensor]:
     names, ready for ``module.load_state_dict(..., strict=False)`` (strict=False because tied
     duplicates appear once). The tensors are shared, not copied."""
     return tree.to_flat(params)
+
+
+def param_count(params: TensorDictBase) -> int:
+    """The number of numbers in ``params``: the sum of every leaf's ``numel()`` (a tied parameter,
+    given once by ``ft.params_of``, counts once; a sharded DTensor counts whole). The count to
+    print first: ``print(f"{ft.param_count(state.params) / 1e6:.2f}M parameters")``. For a
+    module, ``ftrain.models.num_params(module)``."""
+    if not isinstance(params, TensorDictBase):
+        raise TypeError(
+            f"param_count(params): params must be a TensorDict (ft.params_of(module) or "
+            f"state.params), got {type(params).__name__}."
+            + (
+                " For a module: ftrain.models.num_params(module)."
+                if isinstance(params, nn.Module)
+                else ""
+            )
+        )
+    return sum(t.numel() for t in tree.leaves(params))
 
 
 def _check_module(module: object, fn: str) -> None:

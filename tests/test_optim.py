@@ -123,6 +123,42 @@ def test_sgd_matches_torch_over_50_steps(kw):
     assert moved > 1e-3  # the run trained: a 1e-6 agreement is not trivial
 
 
+def _decay_groups(params, weight_decay: float) -> list[dict]:
+    """torch's way to say ``mask=decay_mask``: matrices in a decayed group, the rest not."""
+    params = list(params)
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
+@pytest.mark.parametrize(
+    "torch_cls,ours,kw,steps,tol",
+    [
+        (torch.optim.SGD, optim.sgd, dict(lr=0.05, momentum=0.9), STEPS, 1e-6),
+        (torch.optim.Adam, optim.adam, dict(lr=3e-3), 3, 1e-5),  # adam amplifies rounding
+    ],
+    ids=["sgd", "adam"],
+)
+def test_l2_decay_mask_matches_torch_param_groups(torch_cls, ours, kw, steps, tol):
+    model, batches = tiny_gpt(), make_batches(steps)
+    want = torch_run(model, lambda p: torch_cls(_decay_groups(p, 0.1), **kw), batches)
+    ftrain_kw = {"learning_rate" if k == "lr" else k: v for k, v in kw.items()}
+    got = ftrain_run(model, ours(**ftrain_kw, weight_decay=0.1, mask=optim.decay_mask), batches)
+    assert global_rel(got, want) <= tol
+    everywhere = ftrain_run(model, ours(**ftrain_kw, weight_decay=0.1), batches)
+    assert global_rel(everywhere, want) > 10 * tol  # the mask changes the result
+
+
+def test_every_alias_that_decays_weights_takes_mask():
+    import inspect
+
+    for name, make in optim.OPTIMIZERS.items():
+        options = inspect.signature(make).parameters
+        if "weight_decay" in options:
+            assert "mask" in options, name
+
+
 # --- Adam / AdamW: step for step and trajectory ----------------------------------------------
 
 

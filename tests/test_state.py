@@ -295,3 +295,12 @@ def test_train_state_replace_replaces_a_field_wholesale():
     assert list(state.params.keys()) == ["a", "b"] and state.params["a"] is a  # old one intact
     with pytest.raises(TypeError, match=r"\['parms'\] are not fields of TrainState"):
         state.replace(parms=new_params)
+
+
+def test_param_count_counts_each_number_once():
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10))
+    model[1].weight = model[0].weight  # tied: one tensor under two names
+    assert ft.param_count(ft.params_of(model)) == 10 * 4 + 10  # the tie counts once
+    assert ft.param_count(ft.params_of(model)) == sum(p.numel() for p in model.parameters())
+    with pytest.raises(TypeError, match="num_params"):
+        ft.param_count(model)

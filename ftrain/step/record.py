@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -31,7 +32,7 @@ from tensordict import TensorDict
 
 from ftrain import rng, tree
 from ftrain.apply import ApplyCache, caching, rewriting
-from ftrain.losses import Loss, as_loss
+from ftrain.losses import Loss, RowMean, as_loss, warn_row_weighted
 from ftrain.optim.base import GradientTransformation, LeafContext, leaf_update
 from ftrain.optim.transforms import global_norm
 from ftrain.state import TrainState
@@ -94,6 +95,7 @@ class Step:
             "_engine": engine,
             "_update": leaf_update(optimizer),
             "_cache": ApplyCache(),
+            "_notices": _Notices(),
         }
         for name, value in derived.items():
             object.__setattr__(self, name, value)
@@ -149,7 +151,9 @@ class Step:
         with the model rewritten as the transforms say, normalized into an ``ft.Loss``."""
         return self._forward(params, batch)[0]
 
-    def _forward(self, params: TensorDict, batch: Any) -> tuple[Loss, bool]:
+    def _forward(self, params: TensorDict, batch: Any, pieces: int = 0) -> tuple[Loss, bool]:
+        """:meth:`forward`, and whether the loss function returned a bf16/fp16 mean. ``pieces``:
+        how many pieces this one is among when the step combines them (0: it does not care)."""
         contexts = [t.around_forward for t in self._hooks.around_forward]
         rewrites = self._hooks.rewrites
         if rewrites:
@@ -164,9 +168,29 @@ class Step:
                 )
         else:
             out = _within(contexts, params, lambda: self.loss_fn(params, batch))
-        raw = out[0] if isinstance(out, tuple) and not isinstance(out, Loss) else out
-        low_mean = isinstance(raw, torch.Tensor) and raw.dtype in (torch.float16, torch.bfloat16)
+        raw = out[0] if isinstance(out, tuple) and not isinstance(out, (Loss, RowMean)) else out
+        if pieces and isinstance(raw, torch.Tensor):  # a plain scalar, weighted by rows
+            self._row_weighted(pieces)
+        mean = raw.value if isinstance(raw, RowMean) else raw
+        low_mean = isinstance(mean, torch.Tensor) and mean.dtype in (torch.float16, torch.bfloat16)
         return as_loss(out, batch), low_mean
+
+    def _row_weighted(self, pieces: int) -> None:
+        """Warn, once per step, that a plain scalar loss is being weighted by rows. While
+        ``torch.compile`` traces, note it for :meth:`__call__` to tell after the call instead: a
+        warning inside the compiled region would break the graph (the note is a plain attribute
+        write, which dynamo replays after each call)."""
+        if torch.compiler.is_compiling():
+            self._notices.pending = pieces
+        elif not self._notices.told:
+            self._notices.told = True
+            hooks = self._hooks
+            warn_row_weighted(
+                self.loss_fn,
+                pieces,
+                [f"ft.{t.name}" for t in hooks.split],
+                [f"ft.{t.name}" for t in hooks.reduce],
+            )
 
     def core(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
         """Phases 2-5 (forward, grad, reduce, update), without the set-up or ``wrap`` hooks:
@@ -174,9 +198,11 @@ class Step:
         hooks = self._hooks
         scaler = hooks.loss_scale
         scale = scaler.loss_scale(state) if scaler is not None else None
-        grads, total, count, aux, owned = self._engine(
-            self._forward, state.params, self.split(batch), scale
-        )
+        pieces = self.split(batch)
+        forward = self._forward
+        if len(pieces) > 1 or hooks.reduce:  # pieces are combined: check how they are weighted
+            forward = functools.partial(self._forward, pieces=len(pieces))
+        grads, total, count, aux, owned = self._engine(forward, state.params, pieces, scale)
         if hooks.reduce:  # phase 4: sums across processes
             sums = torch.stack([total.float(), count.float()])
             for t in hooks.reduce:
@@ -264,9 +290,23 @@ class Step:
         device = tree.first_leaf(state.params).device
         with caching(self._cache), rng.seeded(rng.step_seed(state), device):
             if not self._hooks.around_step:
-                return self._fn(state, batch)
-            with self.around_step(state):
-                return self._fn(state, batch)
+                out = self._fn(state, batch)
+            else:
+                with self.around_step(state):
+                    out = self._fn(state, batch)
+        if self._notices.pending:  # noted while a compiled step was traced
+            self._row_weighted(self._notices.pending)
+            self._notices.pending = 0
+        return out
+
+
+class _Notices:
+    """What a step has to tell its user once, and whether it has: the one mutable part of a Step
+    besides its apply cache (so a new step, e.g. with another transform, tells again)."""
+
+    def __init__(self) -> None:
+        self.told = False  # the ScalarLossWarning was issued
+        self.pending = 0  # a compiled call saw a plain scalar among this many pieces
 
 
 def _within(factories: list[Callable], arg: Any, fn: Callable[[], Any]) -> Any:
@@ -316,8 +356,13 @@ def train_step(
 
     Args:
         loss_fn: ``loss_fn(params, batch)`` returning an :class:`ftrain.Loss` (a sum and its
-            count), a scalar tensor (a mean over the batch rows), or ``(loss, aux_dict)``. It calls
-            the model through :func:`ftrain.apply`.
+            count), a scalar tensor (a mean over the batch rows), ``ft.losses.row_mean(scalar)``
+            (the same, declared), or ``(loss, aux_dict)``. It calls the model through
+            :func:`ftrain.apply`. Where the step combines pieces (``ft.accumulate`` splits the
+            batch, ``ft.shard`` sums across processes), a plain scalar is weighted by its rows,
+            which is wrong for a token mean over padded rows (e.g. a Hugging Face ``out.loss``):
+            the first call then issues an ``ft.losses.ScalarLossWarning`` naming the two fixes,
+            ``ft.Loss(total, count)`` (``ft.losses.causal_lm``) or ``ft.losses.row_mean``.
         optimizer: an ``ftrain.optim`` :class:`GradientTransformation`.
         donate: let the step update ``state``'s tensors in place (saves a copy of params and
             optimizer state). The state passed in must not be used afterwards.

@@ -1,0 +1,231 @@
+"""ftrain.losses: sums and counts that stay exact under accumulate and shard.
+
+The reference case is the trap a Hugging Face user walks into: a tiny local GPT-2 trained on
+right-padded rows (labels -100 on padding). ``causal_lm`` makes ``ft.accumulate`` equal one big
+batch; the model's own scalar ``out.loss`` does not, and the step says so (``ScalarLossWarning``).
+"""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ftrain as ft
+from ftrain.losses import ScalarLossWarning
+from ftrain.testing import assert_no_recompile, assert_one_graph, assert_steps_close
+
+transformers = pytest.importorskip("transformers")
+
+T = 16
+LENGTHS = [16, 3, 9, 16, 5, 12, 2, 7]  # real tokens per row; the rest is right padding
+
+
+def hf_model():
+    from ftrain.models import tiny_gpt2
+
+    torch.manual_seed(0)
+    return tiny_gpt2(n_positions=T, n_embd=32, n_layer=2, n_head=2)
+
+
+def hf_batch(lengths=LENGTHS, seed=0):
+    """Right-padded rows in Hugging Face's form: labels are the input ids, -100 on padding."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 256, (len(lengths), T), generator=g)
+    mask = (torch.arange(T) < torch.tensor(lengths)[:, None]).long()  # (B, T)
+    ids = torch.where(mask.bool(), ids, torch.full_like(ids, 256))  # pad with end-of-document
+    labels = torch.where(mask.bool(), ids, torch.full_like(ids, -100))
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def causal_lm_loss(model):
+    def loss_fn(params, b):
+        out = ft.apply(model, params, b["input_ids"], attention_mask=b["attention_mask"])
+        return ft.losses.causal_lm(out.logits, b["labels"])
+
+    return loss_fn
+
+
+def hf_own_loss(model, declare=False):
+    def loss_fn(params, b):
+        out = ft.apply(model, params, **b)  # labels given: the model's own mean token loss
+        return ft.losses.row_mean(out.loss) if declare else out.loss
+
+    return loss_fn
+
+
+def hf_setup():
+    model = hf_model()
+    opt = ft.optim.sgd(0.3, momentum=0.9)
+    return model, opt, ft.TrainState.create(ft.params_of(model), opt)
+
+
+# -- causal_lm ----------------------------------------------------------------------------------
+
+
+def test_causal_lm_equals_hugging_face_loss_on_an_unpadded_batch():
+    model = hf_model()
+    b = hf_batch([T] * 4)
+    params = ft.params_of(model)
+    with torch.no_grad():
+        out = ft.apply(model, params, **b)
+        loss = ft.losses.causal_lm(out.logits, b["labels"])
+    assert isinstance(loss, ft.losses.TokenLoss)
+    assert int(loss.count) == 4 * (T - 1)  # the first token of each row is never a target
+    torch.testing.assert_close(loss.value, out.loss, rtol=1e-6, atol=0)
+
+
+def test_causal_lm_counts_the_shifted_targets_of_a_padded_batch():
+    model = hf_model()
+    b = hf_batch()
+    with torch.no_grad():
+        out = ft.apply(model, ft.params_of(model), **b)
+        loss = ft.losses.causal_lm(out.logits, b["labels"])
+    assert int(loss.count) == sum(n - 1 for n in LENGTHS)  # not sum(LENGTHS): one fewer per row
+    # the sum, by hand: each real token after the first, predicted from the position before it
+    want = sum(
+        F.cross_entropy(out.logits[i, : n - 1], b["input_ids"][i, 1:n], reduction="sum")
+        for i, n in enumerate(LENGTHS)
+    )
+    torch.testing.assert_close(loss.total, want, rtol=1e-5, atol=0)
+    torch.testing.assert_close(loss.value, out.loss, rtol=1e-6, atol=0)  # HF's mean agrees
+
+
+def test_causal_lm_refuses_misaligned_shapes():
+    with pytest.raises(ValueError, match="not shifted"):
+        ft.losses.causal_lm(torch.zeros(2, 5, 7), torch.zeros(2, 4, dtype=torch.long))
+
+
+def test_causal_lm_under_accumulate_equals_one_big_batch():
+    model, opt, state = hf_setup()
+    batch = hf_batch()
+    step = ft.train_step(causal_lm_loss(model), opt)
+    # the micro-batches really hold different numbers of predicted tokens
+    counts = [int((y[:, 1:] != -100).sum()) for y in torch.tensor_split(batch["labels"], 4)]
+    assert len(set(counts)) == 4
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ScalarLossWarning)  # an ft.Loss is never warned about
+        assert_steps_close(ft.accumulate(step, 4), step, state, batch, steps=3, rtol=1e-5)
+
+
+# -- a plain scalar under a step that combines pieces --------------------------------------------
+
+
+def test_scalar_hf_loss_under_accumulate_warns_and_is_not_the_whole_batch():
+    model, opt, state = hf_setup()
+    batch = hf_batch()
+    whole = ft.train_step(causal_lm_loss(model), opt)
+    naive = ft.accumulate(ft.train_step(hf_own_loss(model), opt), 4)
+    with pytest.warns(ScalarLossWarning) as seen:
+        # each micro-batch's token mean weighted by its rows: the gradient-accumulation bug
+        with pytest.raises(AssertionError, match="relative error"):
+            assert_steps_close(naive, whole, state, batch, steps=1, rtol=1e-5)
+    text = str(seen[0].message)
+    for part in ("splits each batch into 4 pieces (ft.accumulate)", "mean over the rows",
+                 "padded rows", "ft.Loss(total, count)", "ft.losses.causal_lm",
+                 "ft.losses.row_mean"):  # fmt: skip
+        assert part in text, part
+    assert seen[0].filename == __file__  # it points at the loss function
+    assert len(seen) == 1  # once per step, not once per micro-batch
+
+
+def test_row_mean_silences_the_warning_and_equals_the_whole_batch_for_a_per_row_loss():
+    """On unpadded rows a token mean is a row mean: declared, it is exact under an uneven split."""
+    model, opt, state = hf_setup()
+    batch = hf_batch([T] * 10, seed=1)
+    step = ft.train_step(hf_own_loss(model, declare=True), opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ScalarLossWarning)
+        assert_steps_close(ft.accumulate(step, 4), step, state, batch, steps=2, rtol=1e-5)
+
+
+def test_the_warning_comes_once_per_step_and_only_where_pieces_are_combined():
+    model = torch.nn.Linear(3, 2)
+    batch = {"x": torch.randn(6, 3), "y": torch.randn(6, 2)}
+
+    def mse(params, b):
+        return ((ft.apply(model, params, b["x"]) - b["y"]) ** 2).mean()
+
+    opt = ft.optim.sgd(0.1)
+    state = ft.TrainState.create(ft.params_of(model), opt)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        ft.train_step(mse, opt)(state, batch)  # one piece: a row mean is exact, nothing to say
+        assert not seen
+        step = ft.accumulate(ft.train_step(mse, opt), 3)
+        step(state, batch)
+        step(state, batch)
+        assert len(seen) == 1
+        ft.accumulate(ft.train_step(mse, opt), 3)(state, batch)  # a new step tells again
+        assert len(seen) == 2
+
+
+class SumAcross(ft.Transform):
+    """A transform with a ``reduce`` hook, as ft.shard has (here with nothing to sum with)."""
+
+    def reduce(self, grads, sums):
+        return grads, sums
+
+
+def test_a_reduce_hook_is_named_and_an_error_filter_stops_before_the_update():
+    model = torch.nn.Linear(3, 2)
+    batch = {"x": torch.randn(4, 3), "y": torch.randn(4, 2)}
+
+    def mse(params, b):
+        return ((ft.apply(model, params, b["x"]) - b["y"]) ** 2).mean()
+
+    opt = ft.optim.sgd(0.1)
+    state = ft.TrainState.create(ft.params_of(model), opt)
+    before = state.params.clone()
+    step = SumAcross()(ft.train_step(mse, opt, donate=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ScalarLossWarning)
+        with pytest.raises(ScalarLossWarning, match=r"sums across processes \(ft.sum_across\)"):
+            step(state, batch)
+    assert (state.params == before).all()  # raised in the forward: the donated state is intact
+
+
+def test_row_mean_is_the_plain_scalar_declared():
+    """The same numbers as a plain scalar, bf16 means included (the engine reweights them)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2).to(torch.bfloat16)
+    batch = {"x": torch.randn(257, 3, dtype=torch.bfloat16)}  # 257 rows: not a bf16 number
+
+    def plain(params, b):
+        return ft.apply(model, params, b["x"]).pow(2).mean()
+
+    def declared(params, b):
+        return ft.losses.row_mean(plain(params, b)), {"n": torch.tensor(1.0)}
+
+    opt = ft.optim.sgd(0.1)
+    state = ft.TrainState.create(ft.params_of(model), opt)
+    (a, ma), (b, mb) = (
+        ft.train_step(plain, opt)(state, batch),
+        ft.train_step(declared, opt)(state, batch),
+    )
+    assert torch.equal(ma["loss"], mb["loss"]) and int(mb["count"]) == 257
+    assert all(
+        torch.equal(x, y) for x, y in zip(a.params.values(True, True), b.params.values(True, True))
+    )
+    with pytest.raises(ValueError, match="0-d tensor"):
+        ft.losses.row_mean(torch.zeros(3))
+
+
+def test_the_warning_under_compile_keeps_one_graph_and_comes_once():
+    model = torch.nn.Linear(3, 2)
+    batch = {"x": torch.randn(6, 3), "y": torch.randn(6, 2)}
+
+    def mse(params, b):
+        return ((ft.apply(model, params, b["x"]) - b["y"]) ** 2).mean()
+
+    opt = ft.optim.sgd(0.1)
+    state = ft.TrainState.create(ft.params_of(model), opt)
+    step = ft.accumulate(ft.train_step(mse, opt), 3)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert_one_graph(step, state, batch)  # no graph break at the check
+        assert len(seen) == 1  # told after the compiled call
+        compiled = ft.compile(step, backend="eager")
+        assert_no_recompile(compiled, state, [batch] * 3)
+        assert len(seen) == 2  # the compiled step is a new step: told once, not per call
+    assert all(issubclass(w.category, ScalarLossWarning) for w in seen)
