@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 
 from torch import nn
 
-__all__ = ["find_blocks", "copy_module", "replace_forwards"]
+__all__ = ["find_blocks", "copy_module", "replace_forwards", "in_mode"]
 
 # A function that, given the module to replace (as rewritten below it), returns its new forward.
 MakeForward = Callable[[nn.Module], Callable]
@@ -120,5 +120,23 @@ def replace_forwards(
                 replaced.__dict__["forward"] = make(current)
                 current = replaced
         return current
+
+    return visit(module)
+
+
+def in_mode(module: nn.Module, training: bool) -> nn.Module:
+    """A copy of ``module`` in which it and every submodule have ``training`` set as given (what
+    ``module.train(training)`` would do), sharing every tensor: the module itself and its flags
+    are left as they are. A submodule shared by two parents is copied once."""
+    copies: dict[int, nn.Module] = {}
+
+    def visit(m: nn.Module) -> nn.Module:
+        if id(m) not in copies:
+            new = copies[id(m)] = copy_module(m)
+            new.__dict__["training"] = training
+            new.__dict__["_modules"] = {
+                name: None if child is None else visit(child) for name, child in m._modules.items()
+            }
+        return copies[id(m)]
 
     return visit(module)

@@ -19,7 +19,7 @@ from tensordict import TensorDictBase
 from torch import nn
 
 from ftrain.apply import ApplyCache, caching, rewriting
-from ftrain.blocks import copy_module
+from ftrain.blocks import in_mode
 from ftrain.losses import Loss, RowMean, TokenLoss, as_loss
 
 __all__ = ["evaluate", "EvalMode"]
@@ -29,23 +29,11 @@ class EvalMode:
     """The rewrite ``ft.evaluate`` gives ``ft.apply``: run a copy of the module in which every
     submodule is in eval mode (``training`` False: dropout off, batch norm on its running
     statistics). The copy shares the module's parameter and buffer tables
-    (``ftrain.blocks.copy_module``), so ``ft.apply`` places its tensors as usual; the module
-    itself and its ``training`` flags are never changed."""
+    (``ftrain.blocks.in_mode``), so ``ft.apply`` places its tensors as usual; the module itself
+    and its ``training`` flags are never changed."""
 
     def rewrite(self, module: nn.Module) -> nn.Module:
-        copies: dict[int, nn.Module] = {}  # a submodule shared by two parents is copied once
-
-        def visit(m: nn.Module) -> nn.Module:
-            if id(m) not in copies:
-                new = copies[id(m)] = copy_module(m)
-                new.__dict__["training"] = False
-                new.__dict__["_modules"] = {
-                    name: None if child is None else visit(child)
-                    for name, child in m._modules.items()
-                }
-            return copies[id(m)]
-
-        return visit(module)
+        return in_mode(module, training=False)
 
     def __repr__(self) -> str:
         return "EvalMode()"
