@@ -105,12 +105,16 @@ def uniform(
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
     """Numbers uniform in (0, 1) of ``shape``, a pure function of ``key`` (same key, same numbers,
-    on every process and in compiled or eager code). 24 random bits each."""
+    on every process and in compiled or eager code). 24 random bits each, rounded to ``dtype``
+    and kept strictly inside (0, 1) there."""
     key = torch.as_tensor(key, dtype=torch.int64)
     device = torch.device(device) if device is not None else key.device
     n = math.prod(shape)
     u = ((_bits(key, n, device) >> 8).to(torch.float64) + 0.5) * 2.0**-24
-    return u.to(dtype).reshape(tuple(shape))
+    # in a narrower dtype the ends would round to 0 or 1: keep them inside
+    info = torch.finfo(dtype)
+    u = u.to(dtype).clamp(min=info.tiny, max=1.0 - info.eps / 2)
+    return u.reshape(tuple(shape))
 
 
 def normal(
