@@ -26,7 +26,9 @@ class Accumulate(Transform):
             )
 
     def check(self, inner, outer) -> None:
-        others = [t for t in (*inner, *outer) if isinstance(t, Accumulate)]
+        if any(isinstance(t, Accumulate) for t in outer):
+            return  # the outer one (the one applied later) says it
+        others = [t for t in inner if isinstance(t, Accumulate)]
         if others:
             k = others[0].micro_batches
             raise ValueError(
