@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from _tiny import lm_batch, lm_loss, tiny_gpt
 
 import ftrain as ft
 from ftrain import tree
@@ -25,6 +24,8 @@ from ftrain.distributed import (
     unshard_state,
 )
 from ftrain.transforms import StaticLossScale, shard
+
+from _tiny import lm_batch, lm_loss, tiny_gpt
 
 WORLD = 2
 ROWS = 4  # global batch; each rank gets ROWS // WORLD rows

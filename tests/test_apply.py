@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _tiny import Net, gpt_step, lm_batch
 from tensordict import TensorDict
 from torch import nn
 
 import ftrain as ft
 from ftrain.apply import ApplyCache, caching, rewriting
 from ftrain.blocks import replace_forwards
+
+from _tiny import Net, gpt_step, lm_batch
 
 
 def test_apply_runs_the_module_on_the_given_params_only():

@@ -4,12 +4,13 @@ new forwards while the original module and every submodule stay exactly as they 
 from __future__ import annotations
 
 import torch
-from _tiny import Chain, tiny_gpt, tokens
 from torch import nn
 
 import ftrain as ft
 from ftrain.blocks import copy_module, find_blocks, replace_forwards
 from ftrain.models import Block
+
+from _tiny import Chain, tiny_gpt, tokens
 
 
 def test_find_blocks_prefers_the_list_of_layers_over_longer_lists_of_leaves():

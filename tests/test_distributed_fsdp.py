@@ -10,11 +10,12 @@ import gc
 
 import pytest
 import torch
-from _tiny import chain_step
-from _two_ranks import gpt
 
 import ftrain as ft
 from ftrain.distributed import track_gathered
+
+from _tiny import chain_step
+from _two_ranks import gpt
 
 
 @pytest.mark.parametrize("name", ["fsdp", "fsdp+checkpoint"])

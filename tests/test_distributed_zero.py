@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _two_ranks import CONFIGS, RESUMED, gpt, sgd
 from tensordict import TensorDict
 
 import ftrain as ft
 from ftrain import tree
 from ftrain.distributed import STRATEGIES, local_bytes, shard_state, unshard, unshard_state
+
+from _two_ranks import CONFIGS, RESUMED, gpt, sgd
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))

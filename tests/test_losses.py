@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from _tiny import lm_batch, tiny_gpt
 
 import ftrain as ft
 from ftrain.losses import as_loss, cross_entropy
+
+from _tiny import lm_batch, tiny_gpt
 
 
 def test_cross_entropy_is_the_sum_over_valid_tokens_and_their_number():

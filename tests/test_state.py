@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _tiny import Net
 from tensordict import TensorDict
 
 import ftrain as ft
+
+from _tiny import Net
 
 
 def test_params_of_is_a_detached_copy_keyed_by_module_path():

@@ -8,11 +8,12 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from _tiny import T, lm_batch, lm_loss, tiny_gpt
 
 import ftrain as ft
 from ftrain import optim
 from ftrain.transforms import Accumulate, Checkpoint
+
+from _tiny import T, lm_batch, lm_loss, tiny_gpt
 
 
 def snapshot(td) -> list[torch.Tensor]:

@@ -16,7 +16,6 @@ import itertools
 
 import pytest
 import torch
-from _tiny import UNEVEN, Chain, gpt_step, lm_batch
 from torch import nn
 
 import ftrain as ft
@@ -25,6 +24,8 @@ from ftrain.blocks import replace_forwards
 from ftrain.optim import GradientTransformation
 from ftrain.testing import assert_steps_close
 from ftrain.transforms import Accumulate
+
+from _tiny import UNEVEN, Chain, gpt_step, lm_batch
 
 
 def linear_setup(opt=None):

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-from _tiny import Chain, D, H, chain_step
 
 import ftrain as ft
 from ftrain.testing import (
@@ -13,6 +12,8 @@ from ftrain.testing import (
     saved_activation_bytes,
     saved_bytes,
 )
+
+from _tiny import Chain, D, H, chain_step
 
 B = 8  # rows; D, H: the width and hidden width of each block
 

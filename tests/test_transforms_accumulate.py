@@ -5,10 +5,11 @@ from collections import namedtuple
 
 import pytest
 import torch
-from _tiny import UNEVEN, gpt_step, lm_batch, lm_loss
 
 import ftrain as ft
 from ftrain.testing import assert_steps_close, max_rel_error
+
+from _tiny import UNEVEN, gpt_step, lm_batch, lm_loss
 
 
 @pytest.mark.parametrize("rows,k", [(16, 2), (16, 4), (16, 8), (10, 4)])

@@ -3,11 +3,12 @@ that skips non-finite steps and lives in the state, TF32 for the step only; argu
 
 import pytest
 import torch
-from _tiny import UNEVEN, gpt_step, lm_batch, lm_loss, tiny_gpt
 
 import ftrain as ft
 from ftrain.testing import max_rel_error
 from ftrain.transforms import DynamicLossScale
+
+from _tiny import UNEVEN, gpt_step, lm_batch, lm_loss, tiny_gpt
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -3,12 +3,13 @@ included, with fewer bytes saved for backward; and its argument checks."""
 
 import pytest
 import torch
-from _tiny import UNEVEN, gpt_step, lm_batch
 from torch import nn
 
 import ftrain as ft
 from ftrain.models import Block
 from ftrain.testing import assert_steps_close, saved_activation_bytes
+
+from _tiny import UNEVEN, gpt_step, lm_batch
 
 N_LAYER = 4  # blocks to checkpoint
 

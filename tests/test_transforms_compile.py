@@ -3,10 +3,11 @@ included), the same result as eager with no recompiles, and its ordering rules."
 
 import pytest
 import torch
-from _tiny import UNEVEN, chain_step, gpt_step, lm_batch, lm_loss, tiny_gpt
 
 import ftrain as ft
 from ftrain.testing import assert_no_recompile, assert_one_graph, max_rel_error
+
+from _tiny import UNEVEN, chain_step, gpt_step, lm_batch, lm_loss, tiny_gpt
 
 
 @pytest.mark.slow

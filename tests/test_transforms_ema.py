@@ -3,10 +3,11 @@ params and metrics are those of the inner step."""
 
 import pytest
 import torch
-from _tiny import UNEVEN, gpt_step, lm_batch
 
 import ftrain as ft
 from ftrain.testing import max_rel_error
+
+from _tiny import UNEVEN, gpt_step, lm_batch
 
 
 def test_ema_matches_a_by_hand_average():

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _tiny import lm_loss
-from _two_ranks import CONFIGS, OPTIMIZERS, batches, gpt, rows_of, run, sgd, whole
 
 import ftrain as ft
 from ftrain.distributed import STRATEGIES, shard_state
 from ftrain.testing import max_rel_error
 from ftrain.transforms import shard
+
+from _tiny import lm_loss
+from _two_ranks import CONFIGS, OPTIMIZERS, batches, gpt, rows_of, run, sgd, whole
 
 
 @pytest.fixture(scope="module")

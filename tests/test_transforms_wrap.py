@@ -3,10 +3,11 @@ built-ins, runs once per step, and its init adds state."""
 
 import pytest
 import torch
-from _tiny import UNEVEN, gpt_step, lm_batch
 
 import ftrain as ft
 from ftrain.testing import assert_steps_close, max_rel_error
+
+from _tiny import UNEVEN, gpt_step, lm_batch
 
 
 def param_norm(step):
