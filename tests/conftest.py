@@ -1,4 +1,8 @@
-"""Suite-wide test settings and shared fixtures."""
+"""Suite-wide test settings and shared fixtures.
+
+The tiny models, loss and batches the tests build with arguments are factories in ``_tiny.py``;
+the one multi-process run of the suite is ``_two_ranks.py``, run once per session here.
+"""
 
 import json
 import random
@@ -8,6 +12,7 @@ import pytest
 import torch
 
 from ftrain import data
+from ftrain.distributed import run_distributed
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -79,3 +84,16 @@ def tiny_run(tmp_path_factory) -> list[str]:
         "--batch-size", "4", "--eval-every", "0", "--sample-tokens", "0", "--no-progress",
         "--log-every", "1", "--data-dir", tokens,
     ]  # fmt: skip
+
+
+# --- the 2-rank run (tests/test_transforms_shard.py, tests/test_distributed_*.py) ---------------
+
+
+@pytest.fixture(scope="session")
+def two_ranks(tmp_path_factory) -> list[dict]:
+    """What :func:`_two_ranks.on_two_ranks` returned on each of 2 gloo processes, in rank order.
+    The suite's one ``run_distributed`` of the shard checks (about 20 s): every test that needs
+    ranks reads its results, none starts processes of its own."""
+    from _two_ranks import WORLD, on_two_ranks
+
+    return run_distributed(on_two_ranks, WORLD, str(tmp_path_factory.mktemp("two_ranks")))

@@ -2,6 +2,7 @@
 and the matmul its linears use (GPTConfig.matmul)."""
 
 import math
+from functools import partial
 
 import pytest
 import torch
@@ -10,17 +11,14 @@ from torch import nn
 
 from ftrain.models import GPT, GPTConfig, Linear, num_params, onednn_linear_available
 
-SMALL = dict(vocab_size=37, seq_len=16, d_model=32, n_layer=2, n_head=4)
+from _tiny import TINY_GPT, tiny_gpt
+from _tiny import tokens as tiny_tokens
+
+VOCAB = 37  # odd, shared by no other dimension: a shape mix-up shows
+SMALL = dict(TINY_GPT, vocab_size=VOCAB)
 MOE = dict(SMALL, n_experts=4, top_k=2)
-
-
-def make(seed=0, **overrides):
-    torch.manual_seed(seed)
-    return GPT(GPTConfig(**{**SMALL, **overrides}))
-
-
-def tokens(B=3, T=16, vocab=37, seed=1):
-    return torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(seed))
+make = partial(tiny_gpt, vocab_size=VOCAB)  # make(seed=0, **config_overrides)
+tokens = partial(tiny_tokens, vocab=VOCAB)  # tokens(rows=3, length=16, seed=1)
 
 
 # --- shapes, state, purity -----------------------------------------------------------------------
@@ -30,9 +28,9 @@ def tokens(B=3, T=16, vocab=37, seed=1):
 def test_logits_shape_and_aux(kw):
     model = GPT(GPTConfig(**kw))
     for T in (1, 7, 16):
-        assert model(tokens(T=T)).shape == (3, T, 37)
+        assert model(tokens(length=T)).shape == (3, T, VOCAB)
     logits, aux = model(tokens(), return_aux=True)
-    assert logits.shape == (3, 16, 37)
+    assert logits.shape == (3, 16, VOCAB)
     if kw is SMALL:
         assert aux == {}
     else:
@@ -42,7 +40,7 @@ def test_logits_shape_and_aux(kw):
 
 def test_sequence_longer_than_seq_len_is_refused():
     with pytest.raises(ValueError, match="seq_len=16"):
-        make()(tokens(T=17))
+        make()(tokens(length=17))
 
 
 def test_state_is_parameters_only():
@@ -77,7 +75,7 @@ def test_functional_call_is_pure(kw):
 def test_every_parameter_gets_a_gradient(kw):
     """train_step uses torch.autograd.grad, which raises on a parameter the loss does not use."""
     model = GPT(GPTConfig(**kw))
-    idx = tokens(B=8)
+    idx = tokens(rows=8)
     logits, aux = model(idx, return_aux=True)
     loss = F.cross_entropy(logits.flatten(0, 1), idx.roll(-1, 1).flatten()) + sum(aux.values())
     names, params = zip(*model.named_parameters(), strict=True)
@@ -95,7 +93,7 @@ def test_causal(kw):
     idx = tokens()
     changed = idx.clone()
     t = 9
-    changed[:, t] = (changed[:, t] + 1) % 37
+    changed[:, t] = (changed[:, t] + 1) % VOCAB
     a, b = model(idx), model(changed)
     torch.testing.assert_close(a[:, :t], b[:, :t], rtol=0, atol=1e-6)
     assert (a[:, t:] - b[:, t:]).abs().amax(dim=-1).min() > 1e-4  # every later position sees it
@@ -230,7 +228,7 @@ def test_auto_and_torch_matmuls_give_the_same_loss_and_gradients(kw):
     """A GPT wide enough that 'auto' sends its matmuls to oneDNN (where this machine has it) and
     the same GPT with 'torch' (F.linear): equal loss and gradients to float32 rounding."""
     cfg = dict(vocab_size=64, seq_len=64, d_model=64, n_layer=2, n_head=2, **kw)
-    idx = tokens(B=8, T=64, vocab=64)
+    idx = tokens(rows=8, length=64, vocab=64)
     results = []
     for matmul in ("auto", "torch"):
         model = make(**cfg, matmul=matmul)

@@ -6,6 +6,8 @@ import torch
 
 import ftrain as ft
 
+from _tiny import lm_batch
+
 transformers = pytest.importorskip("transformers")
 
 
@@ -25,9 +27,7 @@ def _loss_fn(model):
 
 
 def _batch(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    toks = torch.randint(0, 257, (4, 17), generator=g)
-    return {"input": toks[:, :-1], "target": toks[:, 1:]}
+    return lm_batch(4, seed, vocab=257)
 
 
 def test_hf_gpt2_trains_with_ft_apply():

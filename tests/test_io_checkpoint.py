@@ -24,20 +24,18 @@ from ftrain.io import (
     save_checkpoint,
     verify_checkpoint,
 )
-from ftrain.models import GPT, GPTConfig
 
-SMALL = dict(vocab_size=37, seq_len=8, d_model=16, n_layer=2, n_head=2)
+from _tiny import lm_batch, lm_loss, tiny_gpt
+
+SMALL = dict(vocab_size=37, seq_len=8, d_model=16, n_head=2)  # overrides of _tiny.TINY_GPT
 
 
 def make_model(seed=0, **overrides):
-    torch.manual_seed(seed)
-    return GPT(GPTConfig(**{**SMALL, **overrides}))
+    return tiny_gpt(seed, **{**SMALL, **overrides})
 
 
 def batch(seed=1, B=4):
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, SMALL["vocab_size"], (B, SMALL["seq_len"] + 1), generator=g)
-    return {"input": idx[:, :-1], "target": idx[:, 1:]}
+    return lm_batch(B, seed, vocab=SMALL["vocab_size"], length=SMALL["seq_len"])
 
 
 def with_fields(state, **fields):
@@ -51,10 +49,7 @@ def trained_state(model, steps=2):
     """A state after a few adamw steps (non-trivial moments, counts, lr), with transform state
     in ``extra``: an fp16-style loss-scale sub-dict, an empty sub-dict, bf16 and bool tensors."""
 
-    def loss_fn(params, b):
-        return ft.losses.cross_entropy(ft.apply(model, params, b["input"]), b["target"])
-
-    step = ft.train_step(loss_fn, ft.optim.adamw(1e-2, weight_decay=0.1))
+    step = ft.train_step(lm_loss(model), ft.optim.adamw(1e-2, weight_decay=0.1))
     state = ft.TrainState.create(ft.params_of(model), ft.optim.adamw(1e-2, weight_decay=0.1))
     for i in range(steps):
         state, _ = step(state, batch(seed=i))

@@ -1,22 +1,21 @@
 """ftrain.models.moe: the mixture-of-experts feed-forward against a per-token loop and the dense
 MLP, its routing and balance loss, and the expert_mm custom op under torch.compile."""
 
+from functools import partial
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from ftrain.models import GPT, MLP, GPTConfig, MoE
+from ftrain.models import MLP, GPTConfig, MoE
 
-SMALL = dict(vocab_size=37, seq_len=16, d_model=32, n_layer=2, n_head=4)
+from _tiny import TINY_GPT, tiny_gpt
+from _tiny import tokens as tiny_tokens
 
-
-def make(seed=0, **overrides):
-    torch.manual_seed(seed)
-    return GPT(GPTConfig(**{**SMALL, **overrides}))
-
-
-def tokens(B=3, T=16, vocab=37, seed=1):
-    return torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(seed))
+VOCAB = 37  # odd, shared by no other dimension: a shape mix-up shows
+SMALL = dict(TINY_GPT, vocab_size=VOCAB)
+make = partial(tiny_gpt, vocab_size=VOCAB)  # make(seed=0, **config_overrides)
+tokens = partial(tiny_tokens, vocab=VOCAB)  # tokens(rows=3, length=16, seed=1)
 
 
 # --- mixture of experts --------------------------------------------------------------------------
@@ -176,10 +175,7 @@ def test_moe_step_compiles_without_graph_breaks_or_recompiles():
     import ftrain as ft
     from ftrain.testing import assert_no_recompile
 
-    torch.manual_seed(0)
-    model = GPT(
-        GPTConfig(vocab_size=257, seq_len=16, d_model=32, n_layer=1, n_head=2, n_experts=4, top_k=2)
-    )
+    model = tiny_gpt(vocab_size=257, n_layer=1, n_head=2, n_experts=4, top_k=2)
 
     def loss_fn(params, batch):
         logits, aux = ft.apply(model, params, batch["input"], return_aux=True)
@@ -190,7 +186,10 @@ def test_moe_step_compiles_without_graph_breaks_or_recompiles():
     state = ft.TrainState.create(ft.params_of(model), opt, seed=1)
     eager = ft.train_step(loss_fn, opt)
     batches = [
-        {"input": tokens(B=4, vocab=257, seed=s), "target": tokens(B=4, vocab=257, seed=s + 10)}
+        {
+            "input": tokens(rows=4, vocab=257, seed=s),
+            "target": tokens(rows=4, vocab=257, seed=s + 10),
+        }
         for s in range(3)
     ]
     torch._dynamo.reset()

@@ -8,9 +8,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import ftrain as ft
-from ftrain.models import GPT, GPTConfig, Linear, linear, onednn_linear_available
+from ftrain.models import Linear, linear, onednn_linear_available
 from ftrain.models.onednn import MATMUL_OPS, MIN_MACS, MIN_MACS_WEIGHT_GRAD
 from ftrain.testing import assert_steps_close, max_rel_error, saved_activation_bytes
+
+from _tiny import lm_batch, lm_loss, tiny_gpt
 
 # torch.backends.mkldnn.flags() also sets oneDNN's TF32 switch, which warns on a CPU-only build
 pytestmark = pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")
@@ -124,23 +126,16 @@ def test_second_derivative_through_onednn_is_refused():
 
 # --- in a training step ---------------------------------------------------------------------------
 
-CFG = dict(vocab_size=64, seq_len=64, d_model=64, n_layer=2, n_head=1, dropout=0.0, bias=False)
+# 512 tokens of d 64: qkv, fc, proj and the lm head are large enough for oneDNN.
+CFG = dict(seq_len=64, d_model=64, n_head=1, bias=False)
 
 
 def gpt_step():
-    """512 tokens of d 64: qkv, fc, proj and the lm head are large enough for oneDNN."""
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(**CFG))
+    model = tiny_gpt(**CFG)
     opt = ft.optim.sgd(0.5, momentum=0.9)
-
-    def loss_fn(params, batch):
-        logits = ft.apply(model, params, batch["input"])
-        return ft.losses.cross_entropy(logits, batch["target"])
-
     state = ft.TrainState.create(ft.params_of(model), opt)
-    tok = torch.randint(0, 64, (8, 65), generator=torch.Generator().manual_seed(1))
     assert took_onednn(model.blocks[0].attn.qkv(torch.randn(8, 64, 64)))
-    return ft.train_step(loss_fn, opt), state, {"input": tok[:, :-1], "target": tok[:, 1:]}
+    return ft.train_step(lm_loss(model), opt), state, lm_batch(8, seed=1, length=64)
 
 
 def mkl_only(step):

@@ -23,17 +23,13 @@ import torch.nn.functional as F
 
 import ftrain as ft
 from ftrain import optim
-from ftrain.models import GPT, GPTConfig
+
+from _tiny import tiny_gpt
 
 STEPS = 50
 
 
 # --- helpers ---------------------------------------------------------------------------------
-
-
-def tiny_gpt(seed: int = 0, bias: bool = True) -> GPT:
-    torch.manual_seed(seed)
-    return GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layer=2, n_head=4, bias=bias))
 
 
 def make_batches(n: int = STEPS, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -10,6 +10,8 @@ from ftrain.models import GPT, GPTConfig
 from ftrain.optim.lamb import lamb, scale_by_trust_ratio
 from ftrain.optim.quantized import adamw8bit, dequantize_blockwise, quantize_blockwise
 
+from _tiny import lm_loss, tiny_gpt
+
 
 @pytest.mark.parametrize("signed", [True, False])
 def test_blockwise_quantization_keeps_relative_precision(signed):
@@ -57,12 +59,9 @@ def test_adamw8bit_tracks_adamw_on_a_gpt(tmp_path):
     last 20 steps) and both fall far below the starting loss."""
     steps = 200
     batches = _stdlib_batches(tmp_path, steps)
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(seq_len=64, d_model=64, n_layer=2, n_head=4))
+    model = tiny_gpt(vocab_size=257, seq_len=64, d_model=64)  # byte tokens
     params = ft.params_of(model)
-
-    def loss_fn(p, b):
-        return ft.losses.cross_entropy(ft.apply(model, p, b["input"]), b["target"])
+    loss_fn = lm_loss(model)
 
     curves = {}
     for name, opt in {

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-from torch import nn
 
 import ftrain as ft
 from ftrain.testing import (
@@ -14,38 +13,9 @@ from ftrain.testing import (
     saved_bytes,
 )
 
-B, D, H = 8, 16, 64  # rows, width, hidden width of each block
+from _tiny import Chain, D, H, chain_step
 
-
-class Block(nn.Module):
-    """relu(fc2(relu(fc1(x)))): keeps relu(fc1 x) (H floats a row) and its output (D) for backward."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(D, H), nn.Linear(H, D)
-
-    def forward(self, x):
-        return torch.relu(self.fc2(torch.relu(self.fc1(x))))
-
-
-class Chain(nn.Module):
-    def __init__(self, n):
-        super().__init__()
-        self.blocks = nn.ModuleList([Block() for _ in range(n)])
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
-def chain_step(n, opt=None):
-    torch.manual_seed(0)
-    model = Chain(n)
-    opt = opt or ft.optim.sgd(0.1, momentum=0.9)
-    state = ft.TrainState.create(ft.params_of(model), opt)
-    step = ft.train_step(lambda p, x: ft.apply(model, p, x).pow(2).mean(), opt)
-    return step, state
+B = 8  # rows; D, H: the width and hidden width of each block
 
 
 # --- saved_bytes / saved_activation_bytes ------------------------------------------------------
@@ -56,14 +26,14 @@ def test_saved_bytes_of_a_chain_by_hand(n):
     """Without checkpointing each block keeps relu(fc1 x) and relu(fc2 ...) for backward: n*(H+D)
     floats a row. With "blocks" only each block's output survives (the next block's input, or the
     loss's input): n*D floats a row. Plus the 4-byte loss. Linear growth in n vs. a flat D/(H+D)."""
-    step, state = chain_step(n)
+    step, state, _ = chain_step(n)
     x = torch.randn(B, D)
     assert saved_activation_bytes(step, state, x) == n * B * (H + D) * 4 + 4
     assert saved_activation_bytes(ft.checkpoint(step), state, x) == n * B * D * 4 + 4
 
 
 def test_saved_activation_bytes_counts_the_first_micro_batch():
-    step, state = chain_step(2)
+    step, state, _ = chain_step(2)
     x = torch.randn(B, D)
     whole = saved_activation_bytes(step, state, x)
     assert saved_activation_bytes(ft.accumulate(step, 4), state, x) == (whole - 4) // 4 + 4
@@ -98,7 +68,7 @@ def test_saved_bytes_sees_autocast_weight_copies():
 
 
 def test_saved_activation_bytes_leaves_the_random_state_alone():
-    step, state = chain_step(2)
+    step, state, _ = chain_step(2)
     x = torch.randn(B, D)
     before = torch.random.get_rng_state()
     saved_activation_bytes(ft.checkpoint(step), state, x)
@@ -109,7 +79,7 @@ def test_saved_activation_bytes_leaves_the_random_state_alone():
 
 
 def test_assert_steps_close_passes_and_leaves_the_state_alone():
-    step, state = chain_step(2)
+    step, state, _ = chain_step(2)
     before = [p.clone() for p in ft.tree.leaves(state.params)]
     x = torch.randn(B, D)
     a, b = assert_steps_close(step, step, state, x, steps=2, rtol=0, atol=0)
@@ -118,7 +88,7 @@ def test_assert_steps_close_passes_and_leaves_the_state_alone():
 
 
 def test_assert_steps_close_names_the_worst_key():
-    step, state = chain_step(2)
+    step, state, _ = chain_step(2)
 
     def nudge(inner):  # a wrong transform: moves one bias a little
         def stepped(state, batch):
@@ -138,7 +108,7 @@ def test_assert_steps_close_names_the_worst_key():
 
 
 def test_assert_steps_close_judges_an_all_zero_reference_by_atol():
-    step, state = chain_step(1)
+    step, state, _ = chain_step(1)
 
     def add(eps):  # a zero entry in the state that one side moves by eps
         def stepped(state, batch):
@@ -180,7 +150,7 @@ def test_max_rel_error():
 @pytest.mark.slow
 def test_assert_no_recompile_passes_for_a_steady_step():
     torch._dynamo.reset()
-    step, state = chain_step(1)
+    step, state, _ = chain_step(1)
     compiled = ft.compile(step, backend="eager")
     final, history = assert_no_recompile(compiled, state, [torch.randn(B, D) for _ in range(3)])
     assert int(final.step) == 3 and len(history) == 3
@@ -208,7 +178,7 @@ def test_assert_no_recompile_catches_a_recompile():
 
 
 def test_assert_one_graph_returns_the_graph_of_the_whole_step():
-    step, state = chain_step(2)
+    step, state, _ = chain_step(2)
     before = state.clone()
     graph = assert_one_graph(step, state, torch.randn(B, D))
     ops = [n.target for n in graph.graph.nodes if n.op == "call_function"]
@@ -237,12 +207,12 @@ def test_assert_one_graph_catches_a_graph_break():
 
 
 def test_assert_one_graph_needs_the_step_before_compile():
-    step, state = chain_step(1)
+    step, state, _ = chain_step(1)
     with pytest.raises(TypeError, match=r"pass the step before ft\.compile"):
         assert_one_graph(ft.compile(step, backend="eager"), state, torch.randn(B, D))
 
 
 def test_assert_no_recompile_needs_a_compiled_step():
-    step, state = chain_step(1)
+    step, state, _ = chain_step(1)
     with pytest.raises(TypeError, match=r"pass ft\.compile\(step\)"):
         assert_no_recompile(step, state, [torch.randn(B, D)] * 2)

@@ -1,0 +1,220 @@
+"""The one 2-rank run of the suite: every ``ft.shard`` check that needs processes, in one call.
+
+Starting processes that import torch costs seconds, so ``conftest.py``'s session fixture
+``two_ranks`` runs :func:`on_two_ranks` once, on 2 gloo processes, and the tests of
+``test_transforms_shard.py``, ``test_distributed_zero.py``, ``test_distributed_fsdp.py`` and
+``test_distributed_launch.py`` read what it returns and compare it, in the parent, against
+single-process references. The setting below is the same in the parent and in the ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import ftrain as ft
+from ftrain import tree
+from ftrain.distributed import (
+    STRATEGIES,
+    init,
+    local_bytes,
+    rank_and_world,
+    shard_state,
+    track_gathered,
+    unshard_state,
+)
+from ftrain.transforms import StaticLossScale, shard
+
+from _tiny import lm_batch, lm_loss, tiny_gpt
+
+WORLD = 2
+ROWS = 4  # global batch; each rank gets ROWS // WORLD rows
+STEPS = 3
+LENGTH = 8
+# rank 0's rows hold far fewer valid tokens than rank 1's: a mean of per-rank means would be wrong
+LENGTHS = (2, 5, LENGTH, LENGTH)
+
+
+def gpt(n_layer=2, **kw):
+    return tiny_gpt(seq_len=LENGTH, n_head=2, n_layer=n_layer, **kw)
+
+
+def batches(steps=STEPS) -> list[dict[str, torch.Tensor]]:
+    return [lm_batch(ROWS, seed=100 + i, lengths=LENGTHS, length=LENGTH) for i in range(steps)]
+
+
+def rows_of(batch, rank):
+    per = ROWS // WORLD
+    return {k: v[rank * per : (rank + 1) * per] for k, v in batch.items()}
+
+
+def sgd():
+    return ft.optim.sgd(0.5, momentum=0.9)
+
+
+def adamw():
+    return ft.optim.chain(
+        ft.optim.clip_by_global_norm(0.5),
+        ft.optim.adamw(1e-3, weight_decay=0.1, mask=ft.optim.decay_mask),
+    )
+
+
+def adafactor():
+    return ft.optim.adafactor(1e-2, weight_decay=0.1)
+
+
+def composed(step, micro_batches):
+    return ft.accumulate(ft.checkpoint(ft.autocast(step, torch.bfloat16)), micro_batches)
+
+
+OPTIMIZERS = {
+    "lion": lambda: ft.optim.lion(1e-4, weight_decay=0.1),
+    "lamb": lambda: ft.optim.lamb(1e-3),
+    "adamw8bit": lambda: ft.optim.adamw8bit(1e-3),
+}
+
+CONFIGS = {
+    # name: (optimizer, model options, transforms on the sharded step, on the 1-process step)
+    "sgd": (sgd, {}, lambda s: s, lambda s: s),
+    "composed": (sgd, {}, lambda s: composed(s, 2), lambda s: composed(s, 4)),
+    # bias=False: the key bias of attention has a zero gradient in exact arithmetic, which
+    # Adam would turn into rounding noise of the size of the learning rate.
+    "adamw": (adamw, {"bias": False}, lambda s: s, lambda s: s),
+    # factored second moments: a matrix's column statistic is a mean over every process's rows
+    "adafactor": (adafactor, {"bias": False}, lambda s: s, lambda s: s),
+    "adafactor, donated": (adafactor, {"bias": False}, lambda s: s, lambda s: s),
+}
+DONATED = ("adamw", "adafactor, donated")  # in place, as the CLI runs them
+
+RESUMED = [("adamw", "zero2"), ("adamw", "fsdp"), ("adafactor", "zero1"), ("adafactor", "fsdp")]
+
+
+def run(step, state, data, rank=None):
+    for b in data:
+        state, metrics = step(state, b if rank is None else rows_of(b, rank))
+    return state, metrics
+
+
+def whole(state):
+    return {"params": tree.to_flat(state.params), "opt_state": tree.to_flat(state.opt_state)}
+
+
+def layouts(td) -> set[str]:
+    """How the tensors of ``td`` with one or more dims are laid out: "plain" or placements."""
+    return {
+        repr(tuple(t.placements)) if hasattr(t, "placements") else "plain"
+        for t in tree.leaves(td)
+        if t.dim() > 0
+    }
+
+
+def on_two_ranks(tmp: str) -> dict:
+    """What one rank does; returns what the tests compare."""
+    rank = dist.get_rank()
+    out: dict = {"rank": rank, "tmp": tmp}
+    data = batches()
+
+    # 0. the launch: the group exists, init() finds it
+    out["rank_and_world"] = rank_and_world()
+    out["init"] = init()
+
+    # 1. every strategy, every config: STEPS steps on this rank's rows
+    for name, (make_opt, model_kw, transform, _) in CONFIGS.items():
+        for strategy in STRATEGIES:
+            model, opt = gpt(**model_kw), make_opt()
+            step = shard(
+                transform(ft.train_step(lm_loss(model), opt, donate=name in DONATED)), strategy
+            )
+            state = shard_state(ft.TrainState.create(ft.params_of(model), opt), strategy)
+            state, metrics = run(step, state, data, rank)
+            out[name, strategy] = {
+                "layouts": layouts(state.opt_state),
+                **whole(unshard_state(state)),
+                "metrics": {k: v.clone() for k, v in metrics.items()},
+                "param_bytes": local_bytes(state.params),
+                "opt_bytes": local_bytes(state.opt_state),
+                "plain_metrics": all(type(v) is torch.Tensor for v in metrics.values()),
+            }
+
+    # 2. fsdp holds whole params one block at a time (4 blocks), with and without checkpoint
+    for name, transform in (("fsdp", lambda s: s), ("fsdp+checkpoint", ft.checkpoint)):
+        model = gpt(n_layer=4)
+        step = shard(transform(ft.train_step(lm_loss(model), sgd())), "fsdp")
+        state = shard_state(ft.TrainState.create(ft.params_of(model), sgd()), "fsdp")
+        state, _ = step(state, rows_of(data[0], rank))  # warm up
+        with track_gathered() as t:
+            state, _ = step(state, rows_of(data[1], rank))
+        out["peak", name] = (t.peak, t.gathers)
+
+    # 3. save (whole, from rank 0) after 2 steps, load on every rank, 1 more step
+    for name, strategy in RESUMED:
+        model, make_opt = gpt(), {"adamw": adamw, "adafactor": adafactor}[name]
+        step = shard(ft.train_step(lm_loss(model), make_opt()), strategy)
+        state = shard_state(ft.TrainState.create(ft.params_of(model), make_opt()), strategy)
+        state, _ = run(step, state, data[:2], rank)
+        path = f"{tmp}/{name}-{strategy}"
+        saved = unshard_state(state)
+        if rank == 0:
+            ft.save(saved, path)
+        dist.barrier()
+        resumed = shard_state(ft.load(path, like=saved), strategy)
+        resumed, _ = run(step, resumed, data[2:], rank)
+        straight, _ = run(step, state, data[2:], rank)
+        out["resume", name, strategy] = (
+            whole(unshard_state(resumed)),
+            whole(unshard_state(straight)),
+        )
+
+    # 4. more optimizers: the math on shards against the same math under ddp
+    for name, make_opt in OPTIMIZERS.items():
+        for strategy in STRATEGIES:
+            model, opt = gpt(bias=False), make_opt()
+            step = shard(ft.train_step(lm_loss(model), opt), strategy)
+            state = shard_state(ft.TrainState.create(ft.params_of(model), opt), strategy)
+            state, _ = run(step, state, data[:2], rank)
+            out["optimizer", name, strategy] = whole(unshard_state(state))
+
+    # 5. fp16 loss scaling: the same as ddp; an overflow is skipped on every rank
+    for strategy in STRATEGIES:
+        model = gpt()
+        step = shard(ft.autocast(ft.train_step(lm_loss(model), sgd()), torch.float16), strategy)
+        state = step.init_extra(ft.TrainState.create(ft.params_of(model), sgd()))
+        state, _ = run(step, shard_state(state, strategy), data, rank)
+        huge = StaticLossScale(1e30)
+        step = shard(
+            ft.autocast(ft.train_step(lm_loss(model), sgd()), torch.float16, loss_scale=huge),
+            strategy,
+        )
+        before = shard_state(
+            step.init_extra(ft.TrainState.create(ft.params_of(model), sgd())), strategy
+        )
+        after, metrics = step(before, rows_of(data[0], rank))
+        out["fp16", strategy] = (
+            whole(unshard_state(state)),
+            bool(metrics["skipped"]),
+            whole(unshard_state(before)),
+            whole(unshard_state(after)),
+        )
+
+    # 6. mistakes that are caught
+    errors = {}
+    model = gpt()
+    plain = ft.TrainState.create(ft.params_of(model), sgd())
+    step = shard(ft.train_step(lm_loss(model), sgd()), "fsdp")
+    try:
+        step(plain, rows_of(data[0], rank))
+    except ValueError as e:
+        errors["unsharded state"] = str(e)
+    skewed = plain.replace(params=plain.params.apply(lambda t: t + rank))
+    try:
+        shard_state(skewed, "zero1")
+    except ValueError as e:
+        errors["params differ"] = str(e)
+    try:
+        ft.compile(shard(ft.train_step(lm_loss(model), sgd()), "fsdp"))
+    except ValueError as e:
+        errors["compile after fsdp"] = str(e)
+    for strategy in ("ddp", "zero1", "zero2"):  # these compile (built here, not run)
+        ft.compile(shard(ft.train_step(lm_loss(model), sgd()), strategy))
+    out["errors"] = errors
+    return out

@@ -1,0 +1,56 @@
+"""ftrain.distributed.fsdp: under ``ft.shard(step, "fsdp")`` whole parameters exist one block at a
+time (track_gathered measures it), and the tracker's own accounting.
+
+The 2-rank results come from the session's one run (``two_ranks`` in conftest.py).
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import ftrain as ft
+from ftrain.distributed import track_gathered
+
+from _tiny import chain_step
+from _two_ranks import gpt
+
+
+@pytest.mark.parametrize("name", ["fsdp", "fsdp+checkpoint"])
+def test_fsdp_holds_the_shard_plus_one_block(two_ranks, name):
+    """The whole params alive at any moment: the params outside the blocks plus one block."""
+    model = gpt(n_layer=4)
+    block = sum(p.numel() * 4 for p in model.blocks[0].parameters())
+    rest = sum(p.numel() * 4 for n, p in model.named_parameters() if not n.startswith("blocks."))
+    total = sum(p.numel() * 4 for p in model.parameters())
+    for r in two_ranks:
+        peak, gathers = r["peak", name]
+        assert gathers > 0
+        assert peak <= rest + block, (peak, rest, block)
+        assert peak < 0.35 * total
+
+
+def test_the_tracker_counts_the_bytes_alive_at_the_peak():
+    """``peak`` is the most bytes of tracked tensors alive at once: a tensor freed before the
+    next one is made no longer counts; ``gathers`` counts every tensor."""
+    with track_gathered() as t:
+        a = torch.zeros(100)  # 400 bytes
+        t.add(a)
+        b = torch.zeros(50, dtype=torch.float64)  # 400 bytes
+        t.add(b)
+        assert t.peak == 800
+        del a
+        gc.collect()
+        c = torch.zeros(10)  # 40 bytes; b is still alive
+        t.add(c)
+    assert t.peak == 800 and t.gathers == 3
+    assert sum(n for ref, n in t.alive if not ref.expired()) == 440
+
+
+def test_nothing_is_gathered_outside_fsdp():
+    step, state, _ = chain_step(2)
+    with track_gathered() as t:
+        ft.accumulate(ft.checkpoint(step), 2)(state, torch.randn(4, 16))
+    assert (t.peak, t.gathers) == (0, 0)

@@ -1,0 +1,165 @@
+"""ftrain.step.engine: the default gradient engine (AutogradEngine) gives the gradient of the summed
+loss totals over micro-batches, whatever autograd hands back (shared or broadcast gradient
+tensors, unused parameters) and whatever the loss's precision (fp16 loss scale, bf16 means)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+import ftrain as ft
+from ftrain import optim
+from ftrain.step import AutogradEngine, reweighting
+from ftrain.step.engine import nonzero
+
+
+def linear_forward(seen=None):
+    """A step's forward for ``y = x @ w + b`` (``u`` unused): a squared-error Loss per piece, and
+    ``seen`` records ``reweighting()`` when its gradient flows back."""
+
+    def forward(params, piece):
+        x, weight = piece
+        h = x @ params["w"]
+        if seen is not None:
+            h.register_hook(lambda g: seen.append(reweighting()))
+        per_row = (h + params["b"]).pow(2).sum(-1) * weight
+        aux = {"rows": torch.tensor(float(len(x)))}
+        return ft.Loss(per_row.sum(), torch.tensor(len(x)), aux), False
+
+    return forward
+
+
+def params_and_pieces():
+    g = torch.Generator().manual_seed(0)
+    params = TensorDict(
+        {"w": torch.randn(3, 2, generator=g), "b": torch.randn(2, generator=g), "u": torch.ones(4)},
+        [],
+    )
+    pieces = [(torch.randn(n, 3, generator=g), w) for n, w in ((2, 1.0), (5, 0.5), (1, 3.0))]
+    return params, pieces
+
+
+def test_grads_are_those_of_the_summed_totals_and_sums_add_up():
+    params, pieces = params_and_pieces()
+    grads, total, count, aux, _ = AutogradEngine()(linear_forward(), params, pieces, None)
+
+    w, b = params["w"].clone().requires_grad_(), params["b"].clone().requires_grad_()
+    totals = [((x @ w + b).pow(2).sum(-1) * weight).sum() for x, weight in pieces]
+    want_w, want_b = torch.autograd.grad(sum(totals), (w, b))
+    by_key = dict(zip(ft.tree.paths(params), grads))
+    torch.testing.assert_close(by_key["w"], want_w)
+    torch.testing.assert_close(by_key["b"], want_b)
+    assert torch.equal(by_key["u"], torch.zeros(4))  # unused: a zero gradient, not None
+    torch.testing.assert_close(total, sum(totals).detach())
+    assert int(count) == 8
+    torch.testing.assert_close(aux["rows"], torch.tensor(8 / 3))  # equal weight per piece
+
+
+@pytest.mark.parametrize("scale", [None, 1024.0, 3.0])
+def test_a_loss_scale_multiplies_the_grads_and_reweights_during_backward(scale):
+    """With a scale the engine backpropagates each piece's mean times the scale and multiplies by
+    the count afterwards: the grads are ``scale`` times those of the sum (to rounding), and
+    :func:`reweighting` is True while that backward runs."""
+    params, pieces = params_and_pieces()
+    plain = AutogradEngine()(linear_forward(), params, pieces, None)
+    seen = []
+    s = None if scale is None else torch.tensor(scale)
+    scaled = AutogradEngine()(linear_forward(seen), params, pieces, s)
+    factor = 1.0 if scale is None else scale
+    for a, b in zip(scaled.grads, plain.grads):
+        torch.testing.assert_close(a, b * factor, rtol=1e-6, atol=0)
+    assert seen == [scale is not None] * len(pieces)
+    assert not reweighting()  # only during that backward
+
+
+def test_nonzero_keeps_counts_and_fractions_and_turns_zero_into_one():
+    counts = torch.tensor([0.0, 0.5, 3.0])
+    assert torch.equal(nonzero(counts), torch.tensor([1.0, 0.5, 3.0]))
+    assert int(nonzero(torch.tensor(0))) == 1
+
+
+class _SharedGrad(torch.nn.Module):
+    """``a`` and ``b`` enter only as ``a + b``: autograd hands both the *same* gradient tensor;
+    ``c`` enters as ``c.sum()``: its gradient is a broadcast view (stride 0)."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.a = torch.nn.Parameter(torch.randn(3, 4, generator=g))
+        self.b = torch.nn.Parameter(torch.randn(3, 4, generator=g))
+        self.c = torch.nn.Parameter(torch.randn(4, generator=g))
+
+    def forward(self, x):
+        return ((x @ (self.a + self.b).T) ** 2).sum(-1) + self.c.sum()  # (N,) per-row losses
+
+
+@pytest.mark.parametrize("micro", [1, 2])
+@pytest.mark.parametrize("donate", [False, True])
+@pytest.mark.parametrize("fp16", [False, True], ids=["fp32", "fp16-scale"])
+def test_params_sharing_one_gradient_tensor_or_a_broadcast_one_update_correctly(
+    micro, donate, fp16
+):
+    model = _SharedGrad()
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+
+    def loss_fn(params, batch):
+        per_row = ft.apply(model, params, batch)
+        return ft.Loss(per_row.sum(), torch.tensor(per_row.numel()))
+
+    opt = optim.sgd(0.01)
+    step = ft.train_step(loss_fn, opt, donate=donate)
+    if micro > 1:
+        step = ft.accumulate(step, micro)
+    if fp16:
+        step = ft.autocast(step, torch.float16, loss_scale=64.0)  # fp16 matmuls, scaled loss
+    state = ft.TrainState.create(ft.params_of(model), opt, seed=0)
+    for _ in range(3):
+        state, _ = step(state, x)
+
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.01)
+    for _ in range(3):
+        ref_opt.zero_grad()
+        ref(x).mean().backward()
+        ref_opt.step()
+    # a gradient applied twice (or divided twice) is off by 2x, far outside even fp16's tolerance
+    tol = dict(rtol=2e-2, atol=2e-2) if fp16 else dict(rtol=1e-5, atol=1e-6)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(state.params[name], p.detach(), **tol)
+
+
+def test_bf16_mean_loss_gives_the_mean_gradient_whatever_the_row_count():
+    # The gradient entering a bf16 loss is O(1): a count of 257 rows is 256 in bf16, and had the
+    # step backpropagated mean * 257 every gradient would be scaled by 256/257.
+    lin = torch.nn.Linear(3, 1, bias=False)
+
+    def loss_fn(params, x):
+        return ft.apply(lin, params, x).pow(2).mean()  # bf16 under autocast
+
+    opt = optim.sgd(1.0)
+    x = torch.randn(257, 3, generator=torch.Generator().manual_seed(0))
+    state = ft.TrainState.create(ft.params_of(lin), opt)
+    new, _ = ft.autocast(ft.train_step(loss_fn, opt), torch.bfloat16)(state, x)
+    w = state.params["weight"].clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = torch.nn.functional.linear(x, w).pow(2).mean()
+    (g,) = torch.autograd.grad(ref, w)
+    torch.testing.assert_close(state.params["weight"] - new.params["weight"], g, rtol=1e-4, atol=0)
+
+
+def test_fp16_mean_loss_over_many_rows_reports_a_finite_loss():
+    lin = torch.nn.Linear(4, 1)
+    x = 30 * torch.randn(4096, 4, generator=torch.Generator().manual_seed(0))
+
+    def loss_fn(params, x):
+        return ft.apply(lin, params, x).pow(2).mean()  # mean * 4096 overflows fp16
+
+    opt = optim.sgd(1e-3)
+    state = ft.TrainState.create(ft.params_of(lin), opt)
+    _, m16 = ft.autocast(ft.train_step(loss_fn, opt), torch.float16, loss_scale=1.0)(state, x)
+    _, m32 = ft.train_step(loss_fn, opt)(state, x)
+    assert torch.isfinite(m16["loss"]) and not m16["skipped"]
+    torch.testing.assert_close(m16["loss"], m32["loss"], rtol=1e-2, atol=0)

@@ -1,0 +1,549 @@
+"""ftrain.step.transform: the ``ft.Transform`` protocol. A user's transform overriding a hook sees
+it called at its phase, in the order transforms were applied, and has the power of a built-in
+(split the batch, swap the gradient engine, scale the loss, reduce, change or skip the update,
+wrap the optimizer or the whole function); ``uses`` opts out; ordering rules (``check``, ``once``,
+one loss scale, compile last) refuse a step when it is built; a non-Step is refused.
+
+The references are the plain step and gradients worked out by hand with torch.autograd.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import itertools
+
+import pytest
+import torch
+from torch import nn
+
+import ftrain as ft
+from ftrain import optim
+from ftrain.blocks import replace_forwards
+from ftrain.optim import GradientTransformation
+from ftrain.testing import assert_steps_close
+from ftrain.transforms import Accumulate
+
+from _tiny import UNEVEN, Chain, gpt_step, lm_batch
+
+
+def linear_setup(opt=None):
+    """``(model, step, state, batch)``: a Linear(3, 2) fit by summed squared error over 6 rows."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+
+    def loss_fn(params, batch):
+        err = ft.apply(model, params, batch["x"]) - batch["y"]  # (rows, 2)
+        return ft.Loss(err.pow(2).sum(), torch.tensor(len(err)))
+
+    opt = opt or optim.sgd(0.1)
+    state = ft.TrainState.create(ft.params_of(model), opt)
+    g = torch.Generator().manual_seed(1)
+    batch = {"x": torch.randn(6, 3, generator=g), "y": torch.randn(6, 2, generator=g)}
+    return model, ft.train_step(loss_fn, opt), state, batch
+
+
+def total_and_grads(model, state, batch):
+    """By hand: the summed squared error and the gradient of its mean over the rows."""
+    ref = copy.deepcopy(model)
+    ref.load_state_dict(ft.state_dict_of(state.params))
+    total = (ref(batch["x"]) - batch["y"]).pow(2).sum()
+    (total / len(batch["x"])).backward()
+    return total.detach(), {k: p.grad for k, p in ref.named_parameters()}
+
+
+def delta(before, after) -> dict[str, torch.Tensor]:
+    return {k: after.params[k] - before.params[k] for k in ("weight", "bias")}
+
+
+# -- every hook at its phase ---------------------------------------------------------------------
+
+
+class Recorder(ft.Transform):
+    """Overrides every hook; each notes ``tag.hook`` in ``log`` and changes nothing."""
+
+    def __init__(self, log: list[str], tag: str = "r"):
+        self.log, self.tag = log, tag
+
+    def note(self, what: str) -> None:
+        self.log.append(f"{self.tag}.{what}")
+
+    def check(self, inner, outer):
+        self.note("check")
+
+    def optimizer(self, optimizer):
+        self.note("optimizer")
+        return optimizer
+
+    def wrap(self, fn):
+        self.note("wrap")
+
+        def wrapped(state, batch):
+            self.note("call")
+            out = fn(state, batch)
+            self.note("return")
+            return out
+
+        return wrapped
+
+    def init(self, state):
+        self.note("init")
+        return state
+
+    @contextlib.contextmanager
+    def around_step(self, state):
+        self.note("step{")
+        yield
+        self.note("}step")
+
+    def split(self, batch):
+        self.note("split")
+        return [batch]
+
+    @contextlib.contextmanager
+    def around_forward(self, params):
+        self.note("forward{")
+        yield
+        self.note("}forward")
+
+    def rewrite(self, module):
+        self.note("rewrite")
+        return module
+
+    def engine(self, engine):
+        self.note("engine")
+
+        def run(forward, params, pieces, scale):
+            self.note(f"grad[{len(pieces)}]")
+            return engine(forward, params, pieces, scale)
+
+        return run
+
+    def loss_scale(self, state):
+        self.note("loss_scale")
+        return None
+
+    def reduce(self, grads, sums):
+        self.note("reduce")
+        return grads, sums
+
+    def gradients(self, g, state):
+        self.note("gradients")
+        return g
+
+
+class Observer(Recorder):
+    """A Recorder without a loss scale (a step has one at most)."""
+
+    def uses(self, hook):
+        return hook != "loss_scale" and super().uses(hook)
+
+
+def in_order(log: list[str], *entries: str) -> bool:
+    positions = [log.index(e) for e in entries]
+    return positions == sorted(positions)
+
+
+def test_each_hook_runs_at_its_phase_and_changes_nothing_by_default():
+    model, step, state, batch = linear_setup()
+    log: list[str] = []
+    recorded = Recorder(log)(step)
+    assert log == ["r.check", "r.optimizer", "r.engine", "r.wrap"]  # building
+
+    log.clear()
+    new, metrics = recorded(state, batch)
+    assert sorted(log) == sorted(
+        f"r.{h}"
+        for h in (
+            "init", "step{", "call", "loss_scale", "split", "grad[1]", "forward{", "rewrite",
+            "}forward", "reduce", "gradients", "return", "}step",
+        )
+    )  # fmt: skip
+    # set-up, the wrapped function, forward (inside the engine), reduce, update, tear-down
+    assert in_order(log, "r.init", "r.step{", "r.call", "r.split", "r.grad[1]", "r.forward{")
+    assert in_order(log, "r.forward{", "r.rewrite", "r.}forward", "r.reduce", "r.gradients")
+    assert in_order(log, "r.gradients", "r.return", "r.}step")
+    assert in_order(log, "r.loss_scale", "r.grad[1]")  # the engine gets the scale
+    want, _ = step(state, batch)
+    for k in ("weight", "bias"):
+        assert torch.equal(new.params[k], want.params[k])
+
+
+def test_hooks_run_in_the_order_the_transforms_were_applied():
+    """Innermost first: ``a`` applied before ``b`` initializes, enters its contexts, splits,
+    rewrites, reduces and sees the gradients first; ``b``'s wrap and engine wrap ``a``'s."""
+    model, step, state, batch = linear_setup()
+    log: list[str] = []
+    both = Observer(log, "b")(Recorder(log, "a")(step))
+    log.clear()
+    both(state, batch)
+    for hook in ("init", "step{", "split", "forward{", "rewrite", "reduce", "gradients"):
+        assert in_order(log, f"a.{hook}", f"b.{hook}"), hook
+    for hook in ("}forward", "}step"):
+        assert in_order(log, f"b.{hook}", f"a.{hook}"), hook  # contexts nest
+    assert in_order(log, "b.call", "a.call", "a.return", "b.return")
+    assert in_order(log, "b.grad[1]", "a.grad[1]")
+
+
+def test_the_wrapped_function_runs_once_per_step_and_the_forward_once_per_piece():
+    model, step, state, batch = linear_setup()
+    log: list[str] = []
+    ft.accumulate(Recorder(log)(step), 3)(state, batch)
+    assert log.count("r.call") == 1 and log.count("r.forward{") == 3
+    assert "r.grad[3]" in log
+
+
+class OptOut(ft.Transform):
+    """Overrides ``split`` but opts out of it per instance with ``uses``."""
+
+    def split(self, batch):
+        raise AssertionError("split runs although uses('split') is False")
+
+    def uses(self, hook):
+        return hook != "split" and super().uses(hook)
+
+
+def test_uses_is_whether_a_hook_is_overridden_unless_the_transform_says_otherwise():
+    model, step, state, batch = linear_setup()
+    assert Recorder([]).uses("split") and Recorder([]).uses("gradients")
+    assert not ft.Transform().uses("split")
+    assert not OptOut().uses("split") and not OptOut().uses("gradients")
+    new, _ = OptOut()(step)(state, batch)
+    want, _ = step(state, batch)
+    assert torch.equal(new.params["weight"], want.params["weight"])
+
+
+# -- each hook has the power of a built-in ---------------------------------------------------------
+
+
+class FirstRowApart(ft.Transform):
+    """Splits every batch into its first row and the rest."""
+
+    def split(self, batch):
+        return [{k: v[:1] for k, v in batch.items()}, {k: v[1:] for k, v in batch.items()}]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SeenByEngine(ft.Transform):
+    """Swaps in an engine that notes the pieces' rows and the loss scale, then runs the inner."""
+
+    log: list
+
+    def engine(self, engine):
+        def run(forward, params, pieces, scale):
+            self.log.append(([len(p["x"]) for p in pieces], scale))
+            return engine(forward, params, pieces, scale)
+
+        return run
+
+
+def test_split_pieces_reach_the_engine_and_give_the_whole_batch_gradient():
+    model, step, state, batch = linear_setup()
+    log: list = []
+    new, metrics = SeenByEngine(log)(FirstRowApart()(step))(state, batch)
+    assert log == [([1, 5], None)]
+    _, grads = total_and_grads(model, state, batch)
+    for k, d in delta(state, new).items():
+        torch.testing.assert_close(d, -0.1 * grads[k], rtol=1e-6, atol=1e-7)
+    assert int(metrics["count"]) == 6
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ScaleBy(ft.Transform):
+    """A constant loss scale."""
+
+    value: float
+
+    def loss_scale(self, state):
+        return torch.tensor(self.value)
+
+
+@pytest.mark.parametrize("value", [1024.0, 3.0])
+def test_a_loss_scale_is_divided_out(value):
+    """The engine backpropagates the scaled loss and the step divides the scale out: the update
+    and the loss metric are those of the unscaled loss (to rounding)."""
+    model, step, state, batch = linear_setup()
+    log: list = []
+    new, metrics = SeenByEngine(log)(ScaleBy(value)(step))(state, batch)
+    assert float(log[0][1]) == value
+    total, grads = total_and_grads(model, state, batch)
+    torch.testing.assert_close(metrics["loss"], total / 6, rtol=1e-6, atol=0)
+    for k, d in delta(state, new).items():
+        torch.testing.assert_close(d, -0.1 * grads[k], rtol=1e-5, atol=1e-7)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TwoIdenticalRanks(ft.Transform):
+    """A reduction as if a second process had the same batch: sums doubled. Notes the sums."""
+
+    log: list
+
+    def reduce(self, grads, sums):
+        self.log.append(sums.clone())
+        return [g * 2 for g in grads], sums * 2
+
+
+def test_reduce_gets_the_total_and_count_and_the_step_divides_by_the_reduced_count():
+    model, step, state, batch = linear_setup()
+    log: list = []
+    new, metrics = TwoIdenticalRanks(log)(step)(state, batch)
+    total, grads = total_and_grads(model, state, batch)
+    (sums,) = log
+    assert sums.dtype == torch.float32 and sums.shape == (2,)
+    torch.testing.assert_close(sums, torch.stack([total, torch.tensor(6.0)]))
+    assert int(metrics["count"]) == 12  # both "processes"' rows
+    torch.testing.assert_close(metrics["loss"], total / 6)  # the same mean
+    for k, d in delta(state, new).items():
+        torch.testing.assert_close(d, -0.1 * grads[k], rtol=1e-6, atol=1e-7)
+
+
+class HalveAndCount(ft.Transform):
+    """Halves the gradients, reports their norm and counts its steps in ``state.extra``."""
+
+    def init(self, state):
+        if "calls" in state.extra.keys():
+            return state
+        extra = state.extra.clone(recurse=False)
+        extra["calls"] = torch.zeros((), dtype=torch.int64)
+        return state.replace(extra=extra)
+
+    def gradients(self, g, state):
+        grads = g.grads.apply(lambda t: t * 0.5)
+        norm = torch.linalg.vector_norm(torch.cat([t.flatten() for t in ft.tree.leaves(grads)]))
+        extra = g.extra.clone(recurse=False)
+        extra["calls"] = state.extra["calls"] + 1
+        return g._replace(grads=grads, metrics={**g.metrics, "half_norm": norm}, extra=extra)
+
+
+def test_gradients_can_change_the_update_add_metrics_and_keep_state():
+    model, step, state, batch = linear_setup()
+    mine = HalveAndCount()(step)
+    assert int(mine.init_extra(state).extra["calls"]) == 0
+    new, metrics = mine(state, batch)
+    assert "calls" not in state.extra.keys()  # the input state is untouched
+    _, grads = total_and_grads(model, state, batch)
+    for k, d in delta(state, new).items():
+        torch.testing.assert_close(d, -0.05 * grads[k], rtol=1e-6, atol=1e-7)
+    want = 0.5 * torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads.values()]))
+    torch.testing.assert_close(metrics["half_norm"], want)
+    torch.testing.assert_close(metrics["grad_norm"], 2 * want)  # before the hook
+    again, _ = mine(new, batch)
+    assert int(again.extra["calls"]) == 2
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Skip(ft.Transform):
+    skip: bool
+
+    def gradients(self, g, state):
+        return g._replace(skip=torch.tensor(self.skip))
+
+
+def test_gradients_can_skip_the_update():
+    """A skipped step keeps params and optimizer state; the step counter still moves."""
+    _, step, state, batch = linear_setup(optim.sgd(0.1, momentum=0.9))
+    state, _ = step(state, batch)  # a non-zero momentum trace
+    skipped, _ = Skip(True)(step)(state, batch)
+    for a, b in zip(ft.tree.leaves(skipped.params), ft.tree.leaves(state.params)):
+        assert torch.equal(a, b)
+    for a, b in zip(ft.tree.leaves(skipped.opt_state), ft.tree.leaves(state.opt_state)):
+        assert torch.equal(a, b)
+    assert int(skipped.step) == int(state.step) + 1
+    taken, _ = Skip(False)(step)(state, batch)
+    plain, _ = step(state, batch)
+    for a, b in zip(ft.tree.leaves(taken), ft.tree.leaves(plain)):
+        assert torch.equal(a, b)
+
+
+def test_gradients_returning_other_keys_is_refused():
+    class DropsBias(ft.Transform):
+        def gradients(self, g, state):
+            grads = g.grads.clone()
+            del grads["bias"]
+            return g._replace(grads=grads)
+
+    _, step, state, batch = linear_setup()
+    with pytest.raises(ValueError, match=r"gradients hook returned grads whose keys differ"):
+        DropsBias()(step)(state, batch)
+
+
+class HalfUpdates(ft.Transform):
+    """Runs the optimizer, then halves its updates (its state is the inner optimizer's)."""
+
+    def optimizer(self, inner):
+        def update(updates, state, params=None):
+            u, new_state = inner.update(updates, state, params)
+            return u.apply(lambda t: t * 0.5), new_state
+
+        return GradientTransformation(inner.init, update)
+
+
+def test_the_optimizer_hook_wraps_the_optimizer_the_step_runs():
+    model, step, state, batch = linear_setup()
+    new, _ = HalfUpdates()(step)(state, batch)
+    _, grads = total_and_grads(model, state, batch)
+    for k, d in delta(state, new).items():
+        torch.testing.assert_close(d, -0.05 * grads[k], rtol=1e-6, atol=1e-7)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Tagged(ft.Transform):
+    """Rewrites the model so that its forward first notes ``tag`` in ``log``."""
+
+    log: list
+    tag: str
+
+    def rewrite(self, module):
+        def make(current):
+            def forward(*args, **kwargs):
+                self.log.append(self.tag)
+                return current(*args, **kwargs)
+
+            return forward
+
+        return replace_forwards(module, [(module, make)])
+
+
+class TaggedInside(Tagged):
+    rewrite_order = -1  # before (inside) the rewrites of order 0, as fsdp's gathering
+
+
+def test_rewrites_nest_as_applied_unless_their_rewrite_order_says_otherwise():
+    """The rewrite applied last runs outermost; a lower ``rewrite_order`` runs closer to the
+    module's own code whatever the order of application (fsdp's gathering inside checkpoint)."""
+    torch.manual_seed(0)
+    model = Chain(2)
+    opt = optim.sgd(0.1)
+    step = ft.train_step(lambda p, x: ft.apply(model, p, x).pow(2).mean(), opt)
+    state = ft.TrainState.create(ft.params_of(model), opt)
+    x = torch.randn(4, 16)
+    log: list[str] = []
+    Tagged(log, "b")(Tagged(log, "a")(step))(state, x)
+    assert log == ["b", "a"]
+    log.clear()
+    TaggedInside(log, "b")(Tagged(log, "a")(step))(state, x)
+    assert log == ["a", "b"]
+    want, _ = step(state, x)  # and the forward is the model's own
+    got, _ = Tagged(log, "a")(step)(state, x)
+    for a, b in zip(ft.tree.leaves(got.params), ft.tree.leaves(want.params)):
+        assert torch.equal(a, b)
+
+
+# -- composition -----------------------------------------------------------------------------------
+
+
+def test_all_orders_of_accumulate_checkpoint_autocast_agree():
+    _, step, state = gpt_step(dropout=0.1)
+    batch = lm_batch(8, lengths=UNEVEN)
+    transforms = {
+        "accumulate": lambda s: ft.accumulate(s, 4),
+        "checkpoint": lambda s: ft.checkpoint(s, "blocks"),
+        "autocast": lambda s: ft.autocast(s, torch.bfloat16),
+    }
+    built = {}
+    for order in itertools.permutations(transforms):
+        s = step
+        for name in order:
+            s = transforms[name](s)
+        built[order] = s
+    (first, reference), *others = built.items()
+    for order, s in others:
+        assert len(s.split(batch)) == 4
+        try:
+            assert_steps_close(s, reference, state, batch, steps=1, rtol=1e-6)
+        except AssertionError as e:
+            raise AssertionError(f"order {order} differs from {first}: {e}") from None
+
+
+# -- ordering rules, checked when the step is built ------------------------------------------------
+
+
+class AfterAccumulate(ft.Transform):
+    """Must be applied after ft.accumulate (an ordering rule of its own)."""
+
+    def check(self, inner, outer):
+        if any(isinstance(t, Accumulate) for t in outer):
+            raise ValueError(
+                "ft.after_accumulate must come after ft.accumulate: "
+                "ft.after_accumulate(ft.accumulate(step, k))."
+            )
+
+
+def test_check_can_refuse_an_order_whenever_a_transform_is_added():
+    _, step, _, _ = linear_setup()
+    assert AfterAccumulate()(ft.accumulate(step, 2)).names == ("accumulate", "after_accumulate")
+    mine = AfterAccumulate()(step)
+    with pytest.raises(ValueError, match=r"must come after ft\.accumulate"):
+        ft.accumulate(mine, 2)
+    assert mine.names == ("after_accumulate",)  # the refused step was never made
+
+
+class GradNoise(ft.Transform):
+    once = True
+
+
+def test_once_refuses_a_second_transform_of_the_class():
+    _, step, _, _ = linear_setup()
+    assert GradNoise.name == "grad_noise"  # the class name in snake case
+    with pytest.raises(ValueError, match=r"ft\.grad_noise was applied twice; apply it once"):
+        GradNoise()(ft.accumulate(GradNoise()(step), 2))
+
+
+def test_one_loss_scale_per_step():
+    _, step, _, _ = linear_setup()
+    with pytest.raises(ValueError, match=r"ft\.scale_by and ft\.scale_by both scale the loss"):
+        ScaleBy(2.0)(ScaleBy(4.0)(step))
+    with pytest.raises(ValueError, match=r"ft\.scale_by and ft\.autocast both scale the loss"):
+        ft.autocast(ScaleBy(2.0)(step), torch.float16)
+    assert ft.autocast(ScaleBy(2.0)(step), torch.bfloat16).names == ("scale_by", "autocast")
+
+
+def test_compile_refuses_an_inner_hook_after_it_but_accepts_a_wrap_only_transform():
+    class Metric(ft.Transform):
+        def wrap(self, fn):
+            return fn
+
+    _, step, _, _ = linear_setup()
+    with pytest.raises(
+        ValueError,
+        match=r"ft\.halve_and_count was applied after ft\.compile; compile must come last: "
+        r"ft\.compile\(ft\.halve_and_count\(step\)\)\. .*\(gradients\)\.",
+    ):
+        HalveAndCount()(ft.compile(step))
+    assert Metric()(ft.compile(step)).names == ("compile", "metric")
+
+
+# -- not a step ------------------------------------------------------------------------------------
+
+
+def test_a_transform_of_something_else_than_a_step_is_refused():
+    def my_step(state, batch):
+        return state, {}
+
+    with pytest.raises(
+        TypeError, match=r"ft\.grad_noise\(step\): expected an ft\.Step, got int\.$"
+    ):
+        GradNoise()(3)
+    with pytest.raises(TypeError, match=r"expected an ft\.Step, got function.*ft\.train_step"):
+        GradNoise()(my_step)
+
+
+@pytest.mark.parametrize(
+    "transform",
+    [
+        lambda s: ft.accumulate(s, 2),
+        lambda s: ft.checkpoint(s),
+        lambda s: ft.autocast(s),
+        lambda s: ft.compile(s),
+        lambda s: ft.ema(s),
+        lambda s: ft.wrap(s, lambda fn: fn),
+    ],
+    ids=["accumulate", "checkpoint", "autocast", "compile", "ema", "wrap"],
+)
+def test_a_builtin_transform_of_a_plain_function_is_refused(transform):
+    def my_step(state, batch):
+        return state, {}
+
+    with pytest.raises(TypeError, match=r"expected an ft\.Step, got function.*ft\.train_step"):
+        transform(my_step)

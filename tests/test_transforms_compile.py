@@ -1,0 +1,117 @@
+"""ft.compile (ftrain.transforms.compile): the whole step as one graph (checkpointed blocks
+included), the same result as eager with no recompiles, and its ordering rules."""
+
+import pytest
+import torch
+
+import ftrain as ft
+from ftrain.testing import assert_no_recompile, assert_one_graph, max_rel_error
+
+from _tiny import UNEVEN, chain_step, gpt_step, lm_batch, lm_loss, tiny_gpt
+
+
+@pytest.mark.slow
+def test_compile_matches_eager_without_recompiles():
+    """Slow (30-90 s on 2 CPU cores): the one test that runs torch.compile's code generation.
+
+    The composition of the design's example, compiled: checkpoint and accumulate inside. Dropout
+    is off because inductor draws its own random numbers (compiled dropout is not eager's).
+    """
+    model = tiny_gpt(bias=False)
+    schedule = ft.optim.warmup_cosine(1e-2, warmup_steps=2, decay_steps=6)
+    opt = ft.optim.sgd(schedule, momentum=0.9)
+    state = ft.TrainState.create(ft.params_of(model), opt)
+    eager = ft.checkpoint(ft.accumulate(ft.train_step(lm_loss(model), opt), 2))
+    compiled = ft.compile(eager)
+    batches = [lm_batch(8, seed=i, lengths=UNEVEN) for i in range(5)]
+
+    # Calls 2..5 walk the schedule through warmup into the cosine: new lr values, same graphs.
+    final, history = assert_no_recompile(compiled, state, batches)
+    lrs = [float(m["lr"]) for m in history]
+    assert all(a != b for a, b in zip(lrs, lrs[1:])), lrs
+
+    s = state
+    for batch, m_compiled in zip(batches, history):
+        s, m = eager(s, batch)
+        assert max_rel_error(m_compiled["loss"], m["loss"]) < 1e-5
+    for key, a in ft.tree.to_flat(final.params).items():
+        assert max_rel_error(a, ft.tree.to_flat(s.params)[key]) < 1e-5, key
+
+
+@pytest.mark.parametrize(
+    "transform",
+    [
+        lambda s: s,
+        lambda s: ft.accumulate(s, 2),
+        lambda s: ft.autocast(s, torch.bfloat16),
+        lambda s: ft.autocast(s, torch.float16),
+        lambda s: ft.ema(ft.accumulate(ft.autocast(s, torch.bfloat16), 2)),
+    ],
+    ids=["plain", "accumulate", "bf16", "fp16", "ema+accumulate+bf16"],
+)
+def test_compile_captures_the_whole_step_as_one_graph(transform):
+    """Forward, torch.autograd.grad, the count division, clipping norm and the optimizer update
+    in one dynamo graph: nothing between the phases runs eagerly."""
+    _, step, state = gpt_step()
+    graph = assert_one_graph(transform(step), state, lm_batch(8, lengths=UNEVEN))
+    targets = {n.target for n in graph.graph.nodes if n.op == "call_function"}
+    assert torch.autograd.grad in targets  # the backward is inside
+    assert targets & {torch._foreach_add, torch._foreach_add_}  # and so is the update (p + u)
+    # the setting that lets dynamo trace autograd.grad is scoped to the compiled call
+    assert torch._dynamo.config.trace_autograd_ops is False
+
+
+@pytest.mark.parametrize("policy", ["blocks", "selective"])
+def test_a_checkpointed_step_is_one_graph_with_a_checkpointed_region_per_block(policy):
+    """ft.compile(ft.checkpoint(step)) is one graph: each block a checkpointed region (the
+    higher-order op AOT autograd recomputes in backward), the backward and update inside."""
+    step, state, _ = chain_step(2)
+    graph = assert_one_graph(ft.checkpoint(step, policy), state, torch.randn(8, 16))
+    targets = [n.target for n in graph.graph.nodes if n.op == "call_function"]
+    regions = [t for t in targets if t is torch.ops.higher_order.tag_activation_checkpoint]
+    assert len(regions) == 2
+    assert torch.autograd.grad in targets
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["blocks", "selective"])
+def test_checkpoint_traces_without_recompiles(policy):
+    """Dynamo traces checkpointed blocks in one graph, the same on every call (the "eager"
+    backend: tracing and guards only, no code generation, a few seconds)."""
+    torch._dynamo.reset()
+    _, step, state = gpt_step()
+    step = ft.checkpoint(step, policy)
+    batches = [lm_batch(8, seed=i, lengths=UNEVEN) for i in range(3)]
+    final, _ = assert_no_recompile(ft.compile(step, backend="eager"), state, batches)
+    s = state
+    for batch in batches:
+        s, _ = step(s, batch)
+    for a, b in zip(ft.tree.leaves(final.params), ft.tree.leaves(s.params)):
+        assert max_rel_error(a, b) < 1e-6
+
+
+def test_compile_twice_is_refused():
+    _, step, _ = gpt_step()
+    with pytest.raises(ValueError, match="applied twice.*Apply it once, last"):
+        ft.compile(ft.compile(step))
+
+
+@pytest.mark.parametrize(
+    "transform",
+    [
+        lambda s: ft.accumulate(s, 2),
+        lambda s: ft.checkpoint(s),
+        lambda s: ft.autocast(s),
+    ],
+    ids=["accumulate", "checkpoint", "autocast"],
+)
+def test_transform_after_compile_is_refused(transform):
+    _, step, _ = gpt_step()
+    with pytest.raises(ValueError, match=r"after ft\.compile; compile must come last"):
+        transform(ft.compile(step))
+
+
+def test_wrap_only_transforms_after_compile_are_allowed():
+    _, step, _ = gpt_step()
+    assert ft.ema(ft.compile(step)).names == ("compile", "ema")
+    assert ft.wrap(ft.compile(step), lambda fn: fn).names == ("compile", "wrap")
