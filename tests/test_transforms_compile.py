@@ -26,7 +26,10 @@ def test_compile_matches_eager_without_recompiles():
     batches = [lm_batch(8, seed=i, lengths=UNEVEN) for i in range(5)]
 
     # Calls 2..5 walk the schedule through warmup into the cosine: new lr values, same graphs.
-    final, history = assert_no_recompile(compiled, state, batches)
+    # The blocks hold scaled_dot_product_attention, which torch's compiler will not recompute
+    # inside the one forward-backward graph: the backward is compiled apart, and it says so.
+    with pytest.warns(UserWarning, match="compiling the backward apart"):
+        final, history = assert_no_recompile(compiled, state, batches)
     lrs = [float(m["lr"]) for m in history]
     assert all(a != b for a, b in zip(lrs, lrs[1:])), lrs
 
