@@ -36,9 +36,12 @@ __all__ = ["apply", "Rewrite", "rewriting", "ApplyCache", "caching", "param_slot
 class Rewrite(Protocol):
     """What a step hands ``apply``: ``rewrite(module)`` returns the module to run in its place,
     which must keep the module's parameter and buffer tables (``ftrain.blocks.replace_forwards``
-    copies do)."""
+    copies do); the copy is kept and used again while the optional ``rewrite_key()`` returns the
+    same object (``ft.Transform``'s hooks of these names)."""
 
     def rewrite(self, module: nn.Module) -> nn.Module: ...
+
+    def rewrite_key(self) -> object: ...
 
 
 class Calls:
@@ -141,9 +144,11 @@ def apply(module: nn.Module, params: TensorDictBase, *args, buffers=None, **kwar
     target = module
     if rewrites:
         key = tuple(map(id, rewrites))  # the step owning the cache keeps them alive
-        target = plan.rewritten.get(key)
-        if target is None:
-            target = plan.rewritten[key] = _rewritten(module, rewrites)
+        depends = tuple(_depends(r) for r in rewrites)
+        kept = plan.rewritten.get(key)
+        if kept is None or any(a is not b for a, b in zip(kept[0], depends)):
+            kept = plan.rewritten[key] = (depends, _rewritten(module, rewrites))
+        target = kept[1]
     return _call_swapped(plan, slots, tensors, target, args, kwargs)
 
 
@@ -152,6 +157,11 @@ def param_slots(modules: Iterable[nn.Module]) -> list[tuple[dict, str]]:
     module keeps it (its ``_parameters`` dict, where ``functional_call`` and :func:`apply` place
     tensors). For code that places other tensors for a while, and puts the old ones back."""
     return [(m._parameters, name) for m in modules for name in m._parameters]
+
+
+def _depends(rewrite: Rewrite) -> object:
+    key = getattr(rewrite, "rewrite_key", None)  # optional
+    return key() if key is not None else None
 
 
 def _rewritten(module: nn.Module, rewrites: tuple[Rewrite, ...]) -> nn.Module:
@@ -294,7 +304,7 @@ class _Plan:
         self.tdef = None  # the key layout of the last params, where their leaves go, their shapes
         self.order: list[int] = []
         self.leaf_shapes: list[torch.Size] = []
-        self.rewritten: dict[tuple, nn.Module] = {}  # rewrites -> the copy they make
+        self.rewritten: dict[tuple, tuple] = {}  # rewrites -> (what they depend on, the copy)
 
     def current(self) -> bool:
         """Whether every table still binds the same names to the same objects (a parameter or
@@ -324,14 +334,6 @@ class _Plan:
                 slots.append((table, attr))
                 tensors.append(t)
         return slots, tensors
-
-
-def _owner(module: nn.Module, name: str) -> nn.Module:
-    return module.get_submodule(name.rpartition(".")[0])
-
-
-def _leaf(name: str) -> str:
-    return name.rpartition(".")[2]
 
 
 def _owner(module: nn.Module, name: str) -> nn.Module:

@@ -35,6 +35,9 @@ class EvalMode:
     def rewrite(self, module: nn.Module) -> nn.Module:
         return in_mode(module, training=False)
 
+    def rewrite_key(self) -> None:
+        return None  # the copy depends on the module alone
+
     def __repr__(self) -> str:
         return "EvalMode()"
 

@@ -7,6 +7,10 @@ is for, and :class:`Scoped` behaves like one in synchronous code, with one diffe
 ``threading.local``. ``torch.compile`` traces reads and writes of a ``threading.local`` (guarding
 on what it read) but breaks the graph at ``ContextVar.get``, and the compiled step must find the
 values inside its one graph.
+
+Like a ContextVar, a scoped value is not seen by other threads, autograd's included: on CUDA,
+backward (and the recompute of a checkpointed block) runs on autograd's worker threads. What code
+needs during backward is captured in the forward (``ftrain.step.BackwardPlan``, fsdp's session).
 """
 
 from __future__ import annotations

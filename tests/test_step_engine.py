@@ -12,22 +12,27 @@ from tensordict import TensorDict
 
 import ftrain as ft
 from ftrain import optim
-from ftrain.step import AutogradEngine, reweighting
+from ftrain.step import AutogradEngine, backward_plan
 from ftrain.step.engine import nonzero
 
 
-def linear_forward(seen=None):
-    """A step's forward for ``y = x @ w + b`` (``u`` unused): a squared-error Loss per piece, and
-    ``seen`` records ``reweighting()`` when its gradient flows back."""
+def linear_forward(seen=None, low_mean=False, reduces_in_backward=False):
+    """A step's forward for ``y = x @ w + b`` (``u`` unused): a squared-error Loss per piece.
+    ``seen`` records the piece's ``BackwardPlan.reweight`` (captured in the forward, as fsdp does)
+    when its gradient flows back; ``low_mean`` says the loss was a low-precision mean, and
+    ``reduces_in_backward`` marks the plan as fsdp's gathers do."""
 
     def forward(params, piece):
         x, weight = piece
         h = x @ params["w"]
+        plan = backward_plan()
+        if reduces_in_backward:
+            plan.reduced_in_backward = True
         if seen is not None:
-            h.register_hook(lambda g: seen.append(reweighting()))
+            h.register_hook(lambda g: seen.append(plan.reweight))
         per_row = (h + params["b"]).pow(2).sum(-1) * weight
         aux = {"rows": torch.tensor(float(len(x)))}
-        return ft.Loss(per_row.sum(), torch.tensor(len(x)), aux), False
+        return ft.Loss(per_row.sum(), torch.tensor(len(x)), aux), low_mean
 
     return forward
 
@@ -61,8 +66,8 @@ def test_grads_are_those_of_the_summed_totals_and_sums_add_up():
 @pytest.mark.parametrize("scale", [None, 1024.0, 3.0])
 def test_a_loss_scale_multiplies_the_grads_and_reweights_during_backward(scale):
     """With a scale the engine backpropagates each piece's mean times the scale and multiplies by
-    the count afterwards: the grads are ``scale`` times those of the sum (to rounding), and
-    :func:`reweighting` is True while that backward runs."""
+    the count afterwards: the grads are ``scale`` times those of the sum (to rounding), and the
+    micro-batch's plan says so while that backward runs."""
     params, pieces = params_and_pieces()
     plain = AutogradEngine()(linear_forward(), params, pieces, None)
     seen = []
@@ -72,7 +77,22 @@ def test_a_loss_scale_multiplies_the_grads_and_reweights_during_backward(scale):
     for a, b in zip(scaled.grads, plain.grads):
         torch.testing.assert_close(a, b * factor, rtol=1e-6, atol=0)
     assert seen == [scale is not None] * len(pieces)
-    assert not reweighting()  # only during that backward
+    assert backward_plan() is None  # only inside the engine's forward
+
+
+@pytest.mark.parametrize("reduces_in_backward", [False, True])
+def test_a_low_precision_mean_is_reweighted_only_where_gradients_stay_local(reduces_in_backward):
+    """A bf16/fp16 mean is backpropagated as a mean and reweighted afterwards, unless something
+    reduces the gradients across processes during backward (fsdp): then the sum is backpropagated.
+    Either way the gradients are those of the summed totals."""
+    params, pieces = params_and_pieces()
+    plain = AutogradEngine()(linear_forward(), params, pieces, None)
+    seen = []
+    forward = linear_forward(seen, low_mean=True, reduces_in_backward=reduces_in_backward)
+    got = AutogradEngine()(forward, params, pieces, None)
+    assert seen == [not reduces_in_backward] * len(pieces)
+    for a, b in zip(got.grads, plain.grads):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
 
 
 def test_nonzero_keeps_counts_and_fractions_and_turns_zero_into_one():

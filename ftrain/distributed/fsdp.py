@@ -8,9 +8,13 @@ Tensors that backward needs from a gathered parameter are not kept: they are sav
 to the shard and gathered again when backward reaches the block (under ``ft.checkpoint`` the
 recompute gathers them, since the gathering runs inside the recomputed block). The gradient of a
 gathered tensor is reduce-scattered straight back to its shard, so no process holds whole
-gradients; except when the gradient engine reweights them after backward
-(``ftrain.step.reweighting``, fp16 loss scaling): then they stay local (``Partial``) and the
+gradients; except when the gradient engine reweights them after backward (its
+``ftrain.step.BackwardPlan``, fp16 loss scaling): then they stay local (``Partial``) and the
 step's reduce phase reduce-scatters them once.
+
+Everything a gather needs during backward (the session, the plan, the trackers) is captured in
+the forward: backward, and the recompute of a checkpointed block, may run on autograd's worker
+threads, which see no scoped value.
 
 So the parameter memory of a process is its shard plus about one block at a time
 (:func:`track_gathered` measures it).
@@ -30,9 +34,16 @@ from ftrain.blocks import find_blocks, replace_forwards
 from ftrain.distributed.collectives import gather_leaves, reduce_scatter_leaves
 from ftrain.distributed.dtensor import dtensor, from_local, is_dtensor
 from ftrain.scoped import Scoped
-from ftrain.step.engine import reweighting
+from ftrain.step.engine import BackwardPlan, backward_plan
 
-__all__ = ["Tracker", "track_gathered", "session", "saved_as_shards", "gathering_copy"]
+__all__ = [
+    "Tracker",
+    "track_gathered",
+    "session",
+    "current_session",
+    "saved_as_shards",
+    "gathering_copy",
+]
 
 
 class Tracker:
@@ -78,14 +89,16 @@ def track_gathered() -> Iterator[Tracker]:
 class _Gathered:
     """One gather of one group of parameters (a block, or the model's other params)."""
 
-    def __init__(self, mesh, shards: list[torch.Tensor]):
-        self.mesh = mesh
+    def __init__(self, session: _Session, shards: list[torch.Tensor]):
+        self.mesh = session.mesh
+        self.plan = session.plan  # the engine's plan for this micro-batch's backward
+        self.trackers = session.trackers
         self.shards = shards  # the DTensors, in the order of the gathered outputs
         self.again: list[torch.Tensor] | None = None  # re-gathered for backward, then dropped
 
     def gather(self) -> list[torch.Tensor]:
         whole = gather_leaves(self.shards, self.mesh)
-        for tracker in _TRACKERS.get():
+        for tracker in self.trackers:
             for w in whole:
                 tracker.add(w)
         return whole
@@ -100,7 +113,7 @@ class _Gathered:
 class _GatherFn(torch.autograd.Function):
     """Forward: whole tensors from shards (all-gather). Backward: the gradients of the whole
     tensors, summed over ranks, land on the shards (reduce-scatter), or stay local (``Partial``)
-    while the engine is reweighting."""
+    when the engine reweights them after backward."""
 
     @staticmethod
     def forward(ctx, gathered: _Gathered, *shards):
@@ -115,7 +128,7 @@ class _GatherFn(torch.autograd.Function):
             gr if gr is not None else torch.zeros(s.shape, dtype=s.dtype, device=s.device)
             for gr, s in zip(grads, g.shards)
         ]
-        if reweighting():  # each rank's own sum, reduced by the step after reweighting
+        if g.plan is not None and g.plan.reweight:  # reduced by the step, after reweighting
             partial = (dtensor().Partial(),)
             return (None, *(from_local(x, g.mesh, partial, x.shape, x.stride()) for x in grads))
         return (None, *reduce_scatter_leaves(grads, g.mesh))
@@ -138,11 +151,17 @@ class _Session:
     def __init__(self, mesh):
         self.mesh = mesh
         self.saved: dict[int, tuple[_Gathered, int, torch.dtype]] = {}  # storage ptr -> source
+        self.trackers = _TRACKERS.get()  # read here, on the thread that runs the step
+        self.plan: BackwardPlan | None = None  # of the micro-batch whose forward ran last
 
     @contextlib.contextmanager
     def gathered(self, slots: list[tuple[dict, str]]) -> Iterator[None]:
         """The parameters at ``slots`` (``ftrain.apply.param_slots``) whole for the extent of the
         block."""
+        plan = backward_plan()
+        if plan is not None:  # in a forward: this micro-batch's backward will reduce-scatter
+            plan.reduced_in_backward = True
+            self.plan = plan
         current = [table[name] for table, name in slots]
         order: dict[int, int] = {}
         shards = []
@@ -153,7 +172,7 @@ class _Session:
         if not shards:
             yield
             return
-        gathered = _Gathered(self.mesh, shards)
+        gathered = _Gathered(self, shards)
         whole = _GatherFn.apply(gathered, *shards)
         ptrs = []
         if torch.is_grad_enabled():  # saved for backward: packed as a reference (see pack)
@@ -197,6 +216,12 @@ def session(mesh) -> Iterator[None]:
         yield
 
 
+def current_session(mesh) -> _Session:
+    """The session of the step running now (a new one for a forward outside any step)."""
+    s = _SESSION.get()
+    return s if s is not None else _Session(mesh)
+
+
 @contextlib.contextmanager
 def saved_as_shards(mesh) -> Iterator[None]:
     """Around a forward: what autograd saves of a gathered parameter is packed as a reference to
@@ -209,13 +234,14 @@ def saved_as_shards(mesh) -> Iterator[None]:
         yield
 
 
-def _gathering(slots: list[tuple[dict, str]]):
+def _gathering(session: _Session, slots: list[tuple[dict, str]]):
     """The forward maker of :func:`ftrain.blocks.replace_forwards`: run the module with the
-    parameters at ``slots`` gathered."""
+    parameters at ``slots`` gathered, in ``session`` (captured: a checkpointed block recomputed
+    on an autograd worker thread gathers in the same session)."""
 
     def make(current: nn.Module):
         def forward(*args, **kwargs):
-            with _SESSION.get().gathered(slots):
+            with session.gathered(slots):
                 return current(*args, **kwargs)
 
         return forward
@@ -223,11 +249,12 @@ def _gathering(slots: list[tuple[dict, str]]):
     return make
 
 
-def gathering_copy(module: nn.Module) -> nn.Module:
+def gathering_copy(module: nn.Module, session: _Session) -> nn.Module:
     """A copy of ``module`` whose blocks (``ftrain.blocks.find_blocks``) each gather their own
-    parameters while they run, and whose other parameters are gathered for the whole call."""
+    parameters while they run, and whose other parameters are gathered for the whole call, in
+    ``session`` (one step's: the copy is made again for the next)."""
     blocks = find_blocks(module)
     inside = {id(m) for b in blocks for m in b.modules()}
     root = param_slots(m for m in module.modules() if id(m) not in inside)
-    replacements = [(b, _gathering(param_slots(b.modules()))) for b in blocks]
-    return replace_forwards(module, [*replacements, (module, _gathering(root))])
+    replacements = [(b, _gathering(session, param_slots(b.modules()))) for b in blocks]
+    return replace_forwards(module, [*replacements, (module, _gathering(session, root))])

@@ -7,18 +7,19 @@
     state, metrics = step(state, batch)
 """
 
-from ftrain.step.engine import AutogradEngine, GradEngine, Grads, reweighting
+from ftrain.step.engine import AutogradEngine, BackwardPlan, GradEngine, Grads, backward_plan
 from ftrain.step.record import Step, train_step
 from ftrain.step.transform import Gradients, StepFn, Transform
 
 __all__ = [
     "AutogradEngine",
+    "BackwardPlan",
     "GradEngine",
     "Gradients",
     "Grads",
     "Step",
     "StepFn",
     "Transform",
-    "reweighting",
+    "backward_plan",
     "train_step",
 ]

@@ -18,7 +18,15 @@ from ftrain import tree
 from ftrain.losses import Loss
 from ftrain.scoped import Scoped
 
-__all__ = ["Grads", "Forward", "GradEngine", "AutogradEngine", "reweighting", "nonzero"]
+__all__ = [
+    "Grads",
+    "Forward",
+    "GradEngine",
+    "AutogradEngine",
+    "BackwardPlan",
+    "backward_plan",
+    "nonzero",
+]
 
 # The step's forward: the loss of one micro-batch, and whether the loss function returned a
 # bf16/fp16 scalar mean (see AutogradEngine).
@@ -49,14 +57,32 @@ class GradEngine(Protocol):
     ) -> Grads: ...
 
 
-_REWEIGHTING = Scoped("ftrain.step.engine reweighting", False)
+class BackwardPlan:
+    """What the engine decides about one micro-batch's backward, for code that runs during it.
+
+    ``reweight``: the engine backpropagates the micro-batch's mean and multiplies the gradients
+    by its count afterwards (see :class:`AutogradEngine`); gradients reduced across processes
+    *during* backward (fsdp's reduce-scatter) must then stay local, to be reduced after. Decided
+    after the forward: read it during backward, from an object captured in the forward (backward
+    may run on autograd's worker threads, which see no scoped value). ``reduced_in_backward``:
+    set in the forward by code that will reduce gradients during backward; the engine then
+    reweights only where a loss scale forces it.
+    """
+
+    __slots__ = ("reweight", "reduced_in_backward")
+
+    def __init__(self) -> None:
+        self.reweight = False
+        self.reduced_in_backward = False
 
 
-def reweighting() -> bool:
-    """True during a backward whose gradients the engine multiplies by the local count afterwards
-    (see :class:`AutogradEngine`): code that reduces gradients across processes *during* backward
-    (fsdp's reduce-scatter) must then leave them local, to be reduced after the reweighting."""
-    return _REWEIGHTING.get()
+_PLAN: Scoped[BackwardPlan | None] = Scoped("ftrain.step.engine backward plan", None)
+
+
+def backward_plan() -> BackwardPlan | None:
+    """The :class:`BackwardPlan` of the micro-batch whose forward is running now (on this
+    thread), or None outside an engine's forward."""
+    return _PLAN.get()
 
 
 def nonzero(count: torch.Tensor) -> torch.Tensor:
@@ -72,7 +98,8 @@ class AutogradEngine:
     entering the loss graph is O(1): with a loss ``scale`` (fp16), where ``total * scale`` would
     overflow fp16 for large counts; and when the loss function returned a bf16/fp16 scalar mean,
     where the count would be rounded on its way into the graph (257 rows is 256 in bf16: every
-    gradient off by 256/257). During such a backward :func:`reweighting` is True.
+    gradient off by 256/257), unless the gradients are reduced across processes during backward
+    (then the sum is backpropagated). Each micro-batch's :class:`BackwardPlan` says which.
     """
 
     def __call__(
@@ -90,12 +117,15 @@ class AutogradEngine:
         owned = False
         aux: dict[str, torch.Tensor] = {}
         for piece in pieces:
-            loss, low_mean = forward(p_in, piece)
-            if scale is not None or low_mean:
+            plan = BackwardPlan()
+            with _PLAN.using(plan):
+                loss, low_mean = forward(p_in, piece)
+            # a loss scale forces it; a low-precision mean only where gradients stay local
+            plan.reweight = scale is not None or (low_mean and not plan.reduced_in_backward)
+            if plan.reweight:
                 n = nonzero(loss.count.detach().to(torch.float32))
                 factor = 1.0 / n if scale is None else scale / n
-                with _REWEIGHTING.using(True):
-                    g = torch.autograd.grad(loss.total * factor, leaves, allow_unused=True)
+                g = torch.autograd.grad(loss.total * factor, leaves, allow_unused=True)
                 # weight by the count, out of place: the gradient of the sum, in fresh buffers
                 weighted = iter(torch._foreach_mul([x for x in g if x is not None], n))
                 g = [None if x is None else next(weighted) for x in g]

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from ftrain.state import TrainState
     from ftrain.step.engine import GradEngine
 
-__all__ = ["Transform", "Gradients", "StepFn", "HOOKS", "INNER_HOOKS"]
+__all__ = ["Transform", "Gradients", "StepFn", "INNER_HOOKS"]
 
 StepFn = Callable[[Any, Any], tuple[Any, dict[str, torch.Tensor]]]
 
@@ -60,7 +60,6 @@ INNER_HOOKS = (
     "reduce",
     "gradients",
 )
-HOOKS = ("check", "wrap", "init", "around_step", *INNER_HOOKS)
 
 
 class Gradients(NamedTuple):
@@ -175,8 +174,15 @@ class Transform:
 
     def rewrite(self, module: nn.Module) -> nn.Module:
         """The module ``ft.apply`` runs in place of ``module`` during the forward. Return a
-        rewritten copy (``ftrain.blocks.replace_forwards``), never a modified ``module``."""
+        rewritten copy (``ftrain.blocks.replace_forwards``), never a modified ``module``. The
+        step keeps the copy and uses it again while :meth:`rewrite_key` returns the same object
+        and the module is unchanged."""
         return module
+
+    def rewrite_key(self) -> object:
+        """What :meth:`rewrite` depends on besides the module and this transform (compared by
+        identity; default None). fsdp's copy gathers in the current step's session."""
+        return None
 
     # -- backward -----------------------------------------------------------------------------
     def engine(self, engine: GradEngine) -> GradEngine:

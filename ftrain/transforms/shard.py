@@ -127,7 +127,10 @@ class Shard(Transform):
         return fsdp.saved_as_shards(self.mesh)
 
     def rewrite(self, module):
-        return fsdp.gathering_copy(module)
+        return fsdp.gathering_copy(module, fsdp.current_session(self.mesh))
+
+    def rewrite_key(self):
+        return fsdp.current_session(self.mesh)  # a new copy for each step's session
 
     # -- reduce -------------------------------------------------------------------------------
     def reduce(self, grads, sums):
@@ -139,7 +142,7 @@ class Shard(Transform):
         dist.all_reduce(sums, group=group)
         if self.strategy == "zero2":  # each rank keeps the sums of its own rows
             return reduce_scatter_leaves(grads, self.mesh), sums
-        # fsdp: reduce-scattered in backward, except those left local while reweighting
+        # fsdp: reduce-scattered in backward, except those left local for reweighting
         partial = [i for i, g in enumerate(grads) if g.placements[0].is_partial()]
         if not partial:
             return grads, sums
