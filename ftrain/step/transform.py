@@ -7,7 +7,7 @@ needs. ``transform(step)`` returns a new step with the transform applied last (o
 ========  =======================================  ===============================================
 when      hook                                     used by
 ========  =======================================  ===============================================
-building  ``check(inner, outer)``                  ordering rules (compile last, each once)
+building  ``check(inner, outer)``                  ordering rules (each once, accumulate once)
           ``optimizer(opt) -> opt``                ``shard`` (ZeRO runs the optimizer on shards)
           ``wrap(fn) -> fn``                       ``compile``, ``ema``, ``wrap``
 each call ``init(state) -> state``                 ``autocast`` (fp16 loss scale), ``ema``
@@ -22,8 +22,9 @@ update    ``gradients(g, state) -> g``             ``autocast`` (skip non-finite
                                                    noise, spike guards, gradient metrics
 ========  =======================================  ===============================================
 
-``around_step`` and the ``wrap`` of transforms applied after ``ft.compile`` run eagerly around the
-compiled function; every other hook runs inside it and is compiled with the step. Hooks run in
+``init``, ``around_step`` and the ``wrap`` of transforms applied after ``ft.compile`` run eagerly
+around the compiled function; every other hook runs inside it and is compiled with the step,
+whenever its transform was applied. Hooks run in
 the order the transforms were applied (innermost first). A transform holds no mutable
 attributes: what it remembers between steps lives in ``state.extra`` (created in ``init``), so it
 is saved, resumed, sharded and compiled like the rest of the state.
@@ -49,7 +50,7 @@ __all__ = ["Transform", "Gradients", "StepFn", "INNER_HOOKS"]
 
 StepFn = Callable[[Any, Any], tuple[Any, dict[str, torch.Tensor]]]
 
-# The hooks that act inside the step function (compiled with it, so refused after ft.compile).
+# The hooks that act inside the step function (ft.compile compiles them, wherever it was applied).
 INNER_HOOKS = (
     "optimizer",
     "split",

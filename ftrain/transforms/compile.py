@@ -9,7 +9,6 @@ import torch
 
 from ftrain.dynamo import refused_rematerialization, tracing_autograd
 from ftrain.step import Step, StepFn, Transform
-from ftrain.step.transform import INNER_HOOKS
 
 __all__ = ["Compile", "compile"]
 
@@ -31,14 +30,6 @@ class Compile(Transform):
             reason = t.compile_refusal()
             if reason is not None:
                 raise ValueError(f"ft.compile cannot compile a step with ft.{t.name}: {reason}")
-        for t in outer:
-            acting = [h for h in INNER_HOOKS if t.uses(h)]
-            if acting:
-                raise ValueError(
-                    f"ft.{t.name} was applied after ft.compile; compile must come last: "
-                    f"ft.compile(ft.{t.name}(step)). The compiled function would not see what it "
-                    f"changes ({', '.join(acting)})."
-                )
 
     def wrap(self, fn: StepFn) -> StepFn:
         return _CompiledStep(torch.compile(fn, **self.kwargs))
@@ -96,12 +87,15 @@ def compile(step: Step, **torch_compile_kwargs) -> Step:  # noqa: A001 - mirrors
     (AOT autograd's joint graph, which handles both), with the same results and memory, and a
     warning says so once.
 
-    The seeding from ``state.rng``, the ``around_step`` contexts and the ``wrap`` hooks of
-    transforms applied *after* compile run eagerly around the compiled function. Learning rates and
-    other changing hyper-parameters are tensors computed inside, so a schedule never triggers a
-    recompile. A transform that acts inside the step (any hook but ``wrap``, ``init``,
-    ``around_step`` and ``check``) applied after compile is refused, and so is compiling twice or
-    compiling a transform that dynamo cannot trace (``ft.shard(step, "fsdp")``).
+    What is compiled does not depend on where compile sits among the transforms: every hook that
+    acts inside the step (split, forward contexts, model rewrites, the engine, loss scaling, the
+    reduction, the gradients, the optimizer) is compiled, whichever transform it comes from and
+    whenever it was applied. Only the set-up runs eagerly around the compiled function: seeding
+    from ``state.rng``, the ``init`` and ``around_step`` hooks, and the ``wrap`` hooks of
+    transforms applied *after* compile (those applied before are compiled with the step).
+    Learning rates and other changing hyper-parameters are tensors computed inside, so a schedule
+    never triggers a recompile. Compiling twice is refused, and so is compiling a step with a
+    transform that dynamo cannot trace (``ft.shard(step, "fsdp")``), in either order.
 
     **Invariant:** the same result as the eager step within floating-point tolerance; one graph
     (``ftrain.testing.assert_one_graph``); no recompiles across steps once the first call has
