@@ -2,9 +2,8 @@
 
 An ``nn.Module`` is used only as a *template*: its code runs, its tensors do not. ``apply`` places
 the given tensors where the module keeps its parameters for the extent of one call, as
-``torch.func.functional_call`` does, and puts the module's own tensors back afterwards. Where a
-module keeps them (its ``_parameters``/``_buffers`` tables, nn.Module's internals that
-``functional_call`` also writes) is read here and nowhere else (:func:`param_slots`).
+``torch.func.functional_call`` does, and puts the module's own tensors back afterwards (where a
+module keeps them comes from ``ftrain.modules``).
 
 Transforms reach the model through two scoped values (:mod:`ftrain.scoped`) that the step sets
 around its forward and its call: the *rewrites* (objects with ``rewrite(module) -> module``, e.g.
@@ -18,7 +17,7 @@ owns the cache lives. Outside a step, or while ``torch.compile`` traces, nothing
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from itertools import chain
 from operator import is_
 from typing import Protocol
@@ -28,9 +27,10 @@ from tensordict import TensorDictBase
 from torch import nn
 
 from ftrain import tree
+from ftrain.modules import buffer_slot, param_slot, tables
 from ftrain.scoped import Scoped
 
-__all__ = ["apply", "Rewrite", "rewriting", "ApplyCache", "caching", "param_slots"]
+__all__ = ["apply", "Rewrite", "rewriting", "ApplyCache", "caching"]
 
 
 class Rewrite(Protocol):
@@ -84,6 +84,7 @@ class ApplyCache:
         self._plans: weakref.WeakKeyDictionary[nn.Module, _Plan] = weakref.WeakKeyDictionary()
 
     def plan(self, module: nn.Module) -> _Plan:
+        """Where ``module``'s parameters go, worked out once and again after it changed."""
         plan = self._plans.get(module)
         # While a call of the module runs (a nested apply), its tables hold that call's tensors,
         # not the module's own: the plan is in use and stays.
@@ -150,13 +151,6 @@ def apply(module: nn.Module, params: TensorDictBase, *args, buffers=None, **kwar
             kept = plan.rewritten[key] = (depends, _rewritten(module, rewrites))
         target = kept[1]
     return _call_swapped(plan, slots, tensors, target, args, kwargs)
-
-
-def param_slots(modules: Iterable[nn.Module]) -> list[tuple[dict, str]]:
-    """``(table, name)`` for every parameter owned by ``modules``: ``table[name]`` is where the
-    module keeps it (its ``_parameters`` dict, where ``functional_call`` and :func:`apply` place
-    tensors). For code that places other tensors for a while, and puts the old ones back."""
-    return [(m._parameters, name) for m in modules for name in m._parameters]
 
 
 def _depends(rewrite: Rewrite) -> object:
@@ -283,7 +277,7 @@ class _Plan:
         # tensor goes there. In GPT-2, `lm_head.weight` gets `transformer.wte.weight`'s tensor.
         places: dict[tuple[int, str], tuple[dict, str, str]] = {}
         for name, p in module.named_parameters(remove_duplicate=False):
-            table, attr = _owner(module, name)._parameters, _leaf(name)
+            table, attr = param_slot(module, name)
             places.setdefault((id(table), attr), (table, attr, first[id(p)]))
         self.slots = [(table, attr) for table, attr, _ in places.values()]
         self.slot_keys = [key for _, _, key in places.values()]
@@ -291,12 +285,12 @@ class _Plan:
         by_tensor: dict[int, list[tuple[dict, str]]] = {}
         tensor_of: dict[str, int] = {}
         for name, b in module.named_buffers(remove_duplicate=False):
-            by_tensor.setdefault(id(b), []).append((_owner(module, name)._buffers, _leaf(name)))
+            by_tensor.setdefault(id(b), []).append(buffer_slot(module, name))
             tensor_of[name] = id(b)
         self.buffer_slots = {name: by_tensor[i] for name, i in tensor_of.items()}
         # The tables all of the above was read from, and what they hold now. They belong to the
         # module and its submodules but do not refer to `module`: the plan does not keep it alive.
-        self.tables = [t for m in module.modules() for t in (m._parameters, m._buffers, m._modules)]
+        self.tables = tables(module)
         self.sizes = list(map(len, self.tables))
         self.names = list(chain.from_iterable(self.tables))
         self.objects = list(chain.from_iterable(map(dict.values, self.tables)))
@@ -334,11 +328,3 @@ class _Plan:
                 slots.append((table, attr))
                 tensors.append(t)
         return slots, tensors
-
-
-def _owner(module: nn.Module, name: str) -> nn.Module:
-    return module.get_submodule(name.rpartition(".")[0])
-
-
-def _leaf(name: str) -> str:
-    return name.rpartition(".")[2]

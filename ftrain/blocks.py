@@ -7,8 +7,8 @@ the way from the root to each block, shallowly, and gives each block's copy a ne
 Every parameter, buffer and untouched submodule is shared with the original, so ``ft.apply``
 places its tensors exactly as for the original; the original module and its submodules are left
 as they were. Building the copy is plain Python that ``torch.compile`` traces, so a compiled step
-stays one graph. This is the one module that writes a submodule table (nn.Module's private
-``_modules``), and only ever a copy's.
+stays one graph. The copies are made with ``ftrain.modules``, the one module that touches
+nn.Module's tables.
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ from collections.abc import Callable, Sequence
 
 from torch import nn
 
-__all__ = ["find_blocks", "copy_module", "replace_forwards", "in_mode"]
+from ftrain.modules import children, clear_hooks, copy_module, set_children
+
+__all__ = ["find_blocks", "replace_forwards", "in_mode"]
 
 # A function that, given the module to replace (as rewritten below it), returns its new forward.
 MakeForward = Callable[[nn.Module], Callable]
@@ -70,22 +72,6 @@ def find_blocks(
     return list(best) if best is not None else []
 
 
-def copy_module(module: nn.Module) -> nn.Module:
-    """A shallow copy of ``module``: a new object of its class holding the same attribute values,
-    so its parameter, buffer and submodule tables are the original's own dicts."""
-    new = object.__new__(type(module))
-    new.__dict__.update(module.__dict__)
-    return new
-
-
-def _without_hooks(module: nn.Module) -> None:
-    """Give a replacement copy empty hook tables: the module it stands for runs its own hooks when
-    the new forward calls it, and they must not run twice."""
-    for name, value in list(module.__dict__.items()):
-        if name.startswith(("_forward_", "_backward_")) and isinstance(value, dict):
-            module.__dict__[name] = type(value)()
-
-
 def replace_forwards(
     module: nn.Module, replacements: Sequence[tuple[nn.Module, MakeForward]]
 ) -> nn.Module:
@@ -104,20 +90,21 @@ def replace_forwards(
         return any(t is m for t in targets) or any(contains(c) for c in m.children())
 
     def visit(m: nn.Module) -> nn.Module:
+        table = children(m)
         changed = {
             name: visit(child)
-            for name, child in m._modules.items()
+            for name, child in table.items()
             if child is not None and contains(child)
         }
         current = m
         if changed:
             current = copy_module(m)
-            current.__dict__["_modules"] = {**m._modules, **changed}
+            set_children(current, {**table, **changed})
         for target, make in replacements:
             if target is m:
                 replaced = copy_module(current)
-                _without_hooks(replaced)
-                replaced.__dict__["forward"] = make(current)
+                clear_hooks(replaced)
+                replaced.__dict__["forward"] = make(current)  # an attribute of our own copy
                 current = replaced
         return current
 
@@ -133,10 +120,11 @@ def in_mode(module: nn.Module, training: bool) -> nn.Module:
     def visit(m: nn.Module) -> nn.Module:
         if id(m) not in copies:
             new = copies[id(m)] = copy_module(m)
-            new.__dict__["training"] = training
-            new.__dict__["_modules"] = {
-                name: None if child is None else visit(child) for name, child in m._modules.items()
-            }
+            new.__dict__["training"] = training  # an attribute of our own copy
+            set_children(
+                new,
+                {name: None if c is None else visit(c) for name, c in children(m).items()},
+            )
         return copies[id(m)]
 
     return visit(module)

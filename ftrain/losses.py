@@ -189,13 +189,23 @@ def as_loss(out, batch) -> Loss:
             "tensor (a mean over batch rows), or a (loss, aux_dict) pair."
         )
     if not isinstance(total, torch.Tensor) or total.dim() != 0:
-        raise ValueError("Loss.total must be a 0-d tensor (the sum of the losses).")
+        got = f"shape {tuple(total.shape)}" if isinstance(total, torch.Tensor) else repr(total)
+        raise ValueError(
+            f"loss_fn returned a Loss whose total is {got}; it must be a 0-d tensor, the sum of "
+            "the losses: ft.Loss(total=losses.sum(), count=n)."
+        )
     if not torch.is_floating_point(total):
-        raise TypeError(f"Loss.total must be a floating-point tensor, got {total.dtype}.")
+        raise TypeError(
+            f"loss_fn returned a Loss whose total is {total.dtype}; it must be floating point "
+            "(e.g. losses.float().sum())."
+        )
     if not isinstance(count, torch.Tensor):
         count = torch.tensor(count, device=total.device)
     if count.dim() != 0:
-        raise ValueError("Loss.count must be a 0-d tensor (what the total is divided by).")
+        raise ValueError(
+            f"loss_fn returned a Loss whose count has shape {tuple(count.shape)}; it must be a "
+            "0-d tensor or a number, what the total is divided by: ft.Loss(total, count=n)."
+        )
     return Loss(total, count, aux)
 
 

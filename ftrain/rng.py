@@ -79,21 +79,23 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def _key32(key: torch.Tensor, salt: int) -> torch.Tensor:
+    """All 64 bits of an int64 key hashed into 32 (values in [0, 2**32))."""
+    return _hash32((key & _M32) ^ _hash32(((key >> 32) & _M32) ^ salt))
+
+
 def fold_in(key: torch.Tensor | int, data: torch.Tensor | int) -> torch.Tensor:
     """A new key (0-d int64 tensor) from ``key`` and ``data``, independent of both for any use:
     ``fold_in(fold_in(state.rng, state.step), 7)`` is the stream number 7 of this step."""
     key = torch.as_tensor(key, dtype=torch.int64)
     data = torch.as_tensor(data, dtype=torch.int64, device=key.device)
-    lo, hi = key & _M32, (key >> 32) & _M32
-    d_lo, d_hi = data & _M32, (data >> 32) & _M32
-    h = _hash32(lo ^ _hash32(hi ^ 0x9E3779B9))
-    return _hash32(h ^ _hash32(d_lo ^ _hash32(d_hi ^ 0x7F4A7C15)))
+    return _hash32(_key32(key, 0x9E3779B9) ^ _key32(data, 0x7F4A7C15))
 
 
 def _bits(key: torch.Tensor, n: int, device: torch.device) -> torch.Tensor:
-    """``n`` hashed 32-bit words of the stream ``key`` (int64, values in [0, 2**32))."""
+    """``n`` hashed 32-bit words of the stream ``key`` (any int64: all its bits count)."""
     counter = torch.arange(n, dtype=torch.int64, device=device)
-    k = key.to(device)
+    k = _key32(key.to(device), 0x5BD1E995)
     return _hash32(_hash32(counter ^ k) ^ _hash32(k ^ 0x632BE5AB))
 
 

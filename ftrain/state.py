@@ -105,6 +105,16 @@ class TrainState:
         values = {name: fields[name] if name in fields else getattr(self, name) for name in names}
         return type(self)(**values, batch_size=self.batch_size, device=self.device)
 
+    def to_device(self, device: str | torch.device) -> TrainState:
+        """This state with ``params``, ``opt_state`` and ``extra`` on ``device``; ``step`` and
+        ``rng`` stay on the CPU (a step reads them as Python ints every call: from host memory,
+        never waiting for an accelerator). ``state.to(device)`` would move them too."""
+        return self.replace(
+            params=self.params.to(device),
+            opt_state=self.opt_state.to(device),
+            extra=self.extra.to(device),
+        )
+
     @classmethod
     def create(cls, params: TensorDictBase, optimizer, *, seed: int = 0) -> TrainState:
         """A fresh state: ``params``, ``optimizer.init(params)``, step 0 and ``rng`` from ``seed``."""

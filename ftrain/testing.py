@@ -26,6 +26,9 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 from torch.multiprocessing.reductions import StorageWeakRef
+
+# TorchDispatchMode is the extension point torch documents for __torch_dispatch__ modes, from a
+# module still named private; tree_leaves has no public home in torch 2.13 (torch.utils.pytree).
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -273,7 +276,7 @@ def _storage_key(t: torch.Tensor) -> int | None:
     """The address of the tensor's StorageImpl: the same for every view of one storage, and never
     reused while a :class:`StorageWeakRef` to it is held (the weak reference keeps the object)."""
     try:
-        return t.untyped_storage()._cdata
+        return StorageWeakRef(t.untyped_storage()).cdata
     except (RuntimeError, NotImplementedError, TypeError):  # sparse, nested, wrapper subclasses
         return None
 

@@ -102,7 +102,7 @@ class TreeDef:
         self._spans: dict[str, tuple[int, int]] | None = None
         self._children: dict[str, TreeDef] = {}
         self._index: dict[str, int] | None = None
-        self._derived: dict[str, object] = {}
+        self._derived: dict[Callable, object] = {}
 
     def __eq__(self, other) -> bool:
         return self is other or (isinstance(other, TreeDef) and self.sig == other.sig)
@@ -167,14 +167,15 @@ class TreeDef:
             self._index = {p: i for i, p in enumerate(self.paths)}
         return self._index[path]
 
-    def derived(self, name: str, fn: Callable[[TreeDef], T]) -> T:
-        """``fn(self)``, computed once per structure and remembered under ``name`` (like the
-        paths above: a tree definition never changes). While dynamo traces, computed afresh."""
+    def derived(self, fn: Callable[[TreeDef], T]) -> T:
+        """``fn(self)`` for a pure function ``fn`` of the structure, computed once per structure
+        and function (like the paths above: a tree definition never changes). While dynamo
+        traces, computed afresh."""
         if compiling():
             return fn(self)
-        if name not in self._derived:
-            self._derived[name] = fn(self)
-        return self._derived[name]  # type: ignore[return-value]
+        if fn not in self._derived:
+            self._derived[fn] = fn(self)
+        return self._derived[fn]  # type: ignore[return-value]
 
     def unflatten(self, values: Sequence[torch.Tensor]) -> TensorDict:
         """A new TensorDict with this structure holding ``values`` (in leaf order, no copies)."""

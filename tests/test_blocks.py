@@ -7,8 +7,9 @@ import torch
 from torch import nn
 
 import ftrain as ft
-from ftrain.blocks import copy_module, find_blocks, replace_forwards
+from ftrain.blocks import find_blocks, replace_forwards
 from ftrain.models import Block
+from ftrain.modules import copy_module
 
 from _tiny import Chain, tiny_gpt, tokens
 

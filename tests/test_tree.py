@@ -100,10 +100,13 @@ def test_derived_is_computed_once_per_structure():
         calls.append(1)
         return len(tdef.paths)
 
-    key = f"test_tree {id(calls)}"  # a name no other caller uses
-    assert tree.structure(nested()).derived(key, count) == 4
-    assert tree.structure(nested(seed=2)).derived(key, count) == 4
+    def other(tdef):
+        return -1
+
+    assert tree.structure(nested()).derived(count) == 4
+    assert tree.structure(nested(seed=2)).derived(count) == 4  # same structure: remembered
     assert len(calls) == 1
+    assert tree.structure(nested()).derived(other) == -1  # remembered per function
 
 
 def test_trees_that_are_not_plain_tensordicts_go_through_the_public_api():

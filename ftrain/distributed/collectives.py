@@ -20,6 +20,8 @@ from ftrain.distributed.dtensor import dtensor, from_local, is_dtensor, local, p
 __all__ = [
     "Layout",
     "layout",
+    "all_gather_into",
+    "reduce_scatter_into",
     "by_dtype",
     "all_reduce_flat",
     "as_sharded",
@@ -97,20 +99,26 @@ class Layout:
 
 @functools.lru_cache(maxsize=1024)
 def layout(shapes: tuple[torch.Size, ...], world: int) -> Layout:
+    """The :class:`Layout` of tensors of these shapes over ``world`` ranks (a pure function of
+    its arguments, remembered)."""
     return Layout(shapes, world)
 
 
 def all_gather_into(out: torch.Tensor, send: torch.Tensor, group) -> None:
+    """``out`` (W times ``send``'s size) = every rank's ``send``, in rank order."""
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     fn(out, send, group=group)
 
 
 def reduce_scatter_into(out: torch.Tensor, send: torch.Tensor, group) -> None:
+    """``out`` = this rank's segment of the sum over ranks of ``send`` (W segments of ``out``'s
+    size)."""
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     fn(out, send, group=group)
 
 
 def by_dtype(tensors: Sequence[torch.Tensor]) -> dict[torch.dtype, list[int]]:
+    """The positions of ``tensors`` grouped by dtype (a flat buffer holds one dtype)."""
     groups: dict[torch.dtype, list[int]] = {}
     for i, t in enumerate(tensors):
         groups.setdefault(t.dtype, []).append(i)

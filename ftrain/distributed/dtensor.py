@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 from tensordict import TensorDictBase
+
+# the extension point torch documents for __torch_dispatch__ modes, from a module named private
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ftrain import tree
@@ -40,6 +42,7 @@ def dtensor():
 
 
 def is_dtensor(t: object) -> bool:
+    """Whether ``t`` is a ``DTensor`` (a tensor laid out across processes)."""
     return isinstance(t, dtensor().DTensor)
 
 
@@ -51,7 +54,9 @@ def placements_of(t: torch.Tensor) -> tuple:
 
 
 @functools.lru_cache(maxsize=4096)
-def _spec(mesh, placements: tuple, shape: tuple, stride: tuple, dtype: torch.dtype):
+def _spec(mesh_id: int, mesh, placements: tuple, shape: tuple, stride: tuple, dtype: torch.dtype):
+    # Keyed by the mesh's identity too: two meshes compare equal by their layout, but a spec must
+    # hold the very mesh (and process group) it is used with, not an equal one destroyed since.
     # Private: DTensorSpec and TensorMeta. The public replacement is DTensor.from_local, which
     # runs an autograd function (about 0.3 ms a call on a CPU; a step makes one per tensor).
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -65,7 +70,7 @@ def from_local(local_t: torch.Tensor, mesh, placements: tuple, shape, stride) ->
     autograd function: for tensors that need no gradient (state, grads, updates)."""
     d = dtensor()
     try:
-        spec = _spec(mesh, tuple(placements), tuple(shape), tuple(stride), local_t.dtype)
+        spec = _spec(id(mesh), mesh, tuple(placements), tuple(shape), tuple(stride), local_t.dtype)
     except ImportError:  # a torch that moved the private spec: the public, slower way
         return d.DTensor.from_local(
             local_t, mesh, placements, run_check=False, shape=shape, stride=stride

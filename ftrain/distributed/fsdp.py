@@ -29,10 +29,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ftrain.apply import param_slots
 from ftrain.blocks import find_blocks, replace_forwards
 from ftrain.distributed.collectives import gather_leaves, reduce_scatter_leaves
 from ftrain.distributed.dtensor import dtensor, from_local, is_dtensor
+from ftrain.modules import param_slots
 from ftrain.scoped import Scoped
 from ftrain.step.engine import BackwardPlan, backward_plan
 
@@ -55,6 +55,7 @@ class Tracker:
         self.gathers = 0
 
     def add(self, t: torch.Tensor) -> None:
+        """Count a newly gathered whole tensor (alive for as long as anything holds it)."""
         from torch.multiprocessing.reductions import StorageWeakRef
 
         self.gathers += 1
@@ -156,7 +157,7 @@ class _Session:
 
     @contextlib.contextmanager
     def gathered(self, slots: list[tuple[dict, str]]) -> Iterator[None]:
-        """The parameters at ``slots`` (``ftrain.apply.param_slots``) whole for the extent of the
+        """The parameters at ``slots`` (``ftrain.modules.param_slots``) whole for the extent of the
         block."""
         plan = backward_plan()
         if plan is not None:  # in a forward: this micro-batch's backward will reduce-scatter

@@ -66,7 +66,7 @@ def init(backend: str | None = None) -> tuple[int, int]:
         raise RuntimeError(
             f"ft.distributed.init: {', '.join(missing)} not set. Launch with torchrun, e.g. "
             "`torchrun --nproc_per_node 2 -m ftrain train --shard ddp`, or use "
-            "ft.testing.run_distributed(fn, world_size=2) in tests."
+            "ft.distributed.run_distributed(fn, world_size=2) in tests."
         )
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -228,7 +228,7 @@ def require_group(fn: str) -> None:
             f"ft.{fn}: no torch.distributed process group. Launch with torchrun (e.g. "
             "`torchrun --nproc_per_node 2 train.py`) and call ft.distributed.init() before "
             "building the step; in tests and notebooks use "
-            "ft.testing.run_distributed(fn, world_size=2)."
+            "ft.distributed.run_distributed(fn, world_size=2)."
         )
 
 

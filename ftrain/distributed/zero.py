@@ -107,7 +107,7 @@ def shard_tree(td: TensorDictBase, mesh, *, copy: bool) -> TensorDictBase:
 
 
 def _check_replicated(state: TrainState, group) -> None:
-    """Every rank must start from the same params: compare a checksum per leaf (one collective)."""
+    """Every rank must start from the same params: compare a checksum per leaf (two small all-reduces: min and max)."""
     leaves = [t for t in tree.leaves(state.params) if not is_dtensor(t)]
     if not leaves or dist.get_world_size(group) == 1:
         return
@@ -170,7 +170,8 @@ def _check_device(state: TrainState, mesh) -> None:
             raise ValueError(
                 f"ft.shard_state: the params are on {t.device.type} but the mesh is on "
                 f"{mesh.device_type} (gloo: cpu, NCCL: cuda). Move the state first, e.g. "
-                f"state = state.to('{mesh.device_type}')."
+                f"state = state.to_device('{mesh.device_type}') (params, optimizer state and "
+                "extra; step and rng stay on the CPU)."
             )
 
 

@@ -3,7 +3,7 @@
 The default, :class:`AutogradEngine`, runs ``torch.autograd.grad`` over leaf copies of the params,
 one backward per micro-batch, and adds the results into one buffer. Not ``torch.func.grad``: that
 refuses saved-tensor hooks, which non-reentrant activation checkpointing uses. A transform swaps
-in another engine with its ``engine`` hook (``torch.func`` for ``ft.vmap``).
+in another engine with its ``engine`` hook (e.g. one built on ``torch.func`` for vmapped steps).
 """
 
 from __future__ import annotations

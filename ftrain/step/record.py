@@ -70,10 +70,8 @@ class Step:
     donate: bool = False
 
     def __post_init__(self) -> None:
+        _check_fields(self)
         ts = self.transforms
-        for i, t in enumerate(ts):
-            if not isinstance(t, Transform):
-                raise TypeError(f"Step(transforms=...): item {i} is {t!r}, not an ft.Transform.")
         for i, t in enumerate(ts):
             t.check(ts[:i], ts[i + 1 :])
         using = {h: tuple(t for t in ts if t.uses(h)) for h in _Hooks._fields if h != "rewrites"}
@@ -84,8 +82,9 @@ class Step:
                 "loss scale per step (fp16 autocast brings its own)."
             )
         rewrites = sorted((t for t in ts if t.uses("rewrite")), key=lambda t: t.rewrite_order)
-        hooks = _Hooks(**{**using, "loss_scale": scalers[0] if scalers else None}, rewrites=())
-        hooks = hooks._replace(rewrites=tuple(rewrites))
+        hooks = _Hooks(
+            **{**using, "loss_scale": scalers[0] if scalers else None}, rewrites=tuple(rewrites)
+        )
         optimizer, engine = self.optimizer, AutogradEngine()
         for t in ts:
             optimizer = t.optimizer(optimizer) if t.uses("optimizer") else optimizer
@@ -309,6 +308,30 @@ class _Notices:
         self.pending = 0  # a compiled call saw a plain scalar among this many pieces
 
 
+def _check_fields(step: Step) -> None:
+    """What ``train_step`` (or ``Step(...)`` directly) must be given, checked when it is built."""
+    if not callable(step.loss_fn):
+        raise TypeError(
+            f"train_step(loss_fn, ...): loss_fn must be callable as loss_fn(params, batch), "
+            f"got {type(step.loss_fn).__name__}."
+        )
+    if not isinstance(step.optimizer, GradientTransformation):
+        raise TypeError(
+            "train_step(loss_fn, optimizer): optimizer must be an ftrain.optim."
+            f"GradientTransformation (e.g. ftrain.optim.adamw(3e-4)), got {type(step.optimizer).__name__}."
+            + (
+                " torch.optim optimizers hold state inside; ftrain's are pure functions."
+                if isinstance(step.optimizer, torch.optim.Optimizer)
+                else ""
+            )
+        )
+    if not isinstance(step.donate, bool):
+        raise TypeError(f"train_step(donate=...): expected a bool, got {step.donate!r}.")
+    for i, t in enumerate(step.transforms):
+        if not isinstance(t, Transform):
+            raise TypeError(f"Step(transforms=...): item {i} is {t!r}, not an ft.Transform.")
+
+
 def _within(factories: list[Callable], arg: Any, fn: Callable[[], Any]) -> Any:
     """``fn()`` inside the contexts ``factory(arg)`` of ``factories``, the first outermost.
 
@@ -343,7 +366,7 @@ def _lr_index(sdef: tree.TreeDef) -> int | None:
 
 def _find_lr(opt_state: list[torch.Tensor], sdef: tree.TreeDef) -> torch.Tensor:
     """The ``lr`` leaf the optimizer recorded (from ``scale_by_learning_rate``), or NaN."""
-    index = sdef.derived("lr_index", _lr_index)
+    index = sdef.derived(_lr_index)
     if index is None:
         return torch.full((), float("nan"))
     return opt_state[index]
@@ -377,21 +400,4 @@ def train_step(
     still applies momentum and weight decay to it, where ``torch.optim`` skips a parameter whose
     ``.grad`` is None.
     """
-    if not callable(loss_fn):
-        raise TypeError(
-            f"train_step(loss_fn, ...): loss_fn must be callable as loss_fn(params, batch), "
-            f"got {type(loss_fn).__name__}."
-        )
-    if not isinstance(optimizer, GradientTransformation):
-        raise TypeError(
-            "train_step(loss_fn, optimizer): optimizer must be an ftrain.optim."
-            f"GradientTransformation (e.g. ftrain.optim.adamw(3e-4)), got {type(optimizer).__name__}."
-            + (
-                " torch.optim optimizers hold state inside; ftrain's are pure functions."
-                if isinstance(optimizer, torch.optim.Optimizer)
-                else ""
-            )
-        )
-    if not isinstance(donate, bool):
-        raise TypeError(f"train_step(donate=...): expected a bool, got {donate!r}.")
     return Step(loss_fn=loss_fn, optimizer=optimizer, donate=donate)

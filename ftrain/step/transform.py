@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol, runtime_checkable
 
 import torch
 from tensordict import TensorDict
@@ -83,6 +83,18 @@ class Gradients(NamedTuple):
     extra: TensorDict
 
 
+@runtime_checkable
+class _StepLike(Protocol):
+    """What a transform is applied to: an ``ft.Step`` (named by its members: the step's module
+    imports this one)."""
+
+    loss_fn: Any
+    optimizer: Any
+    transforms: tuple
+
+    def add(self, transform: Transform) -> Any: ...
+
+
 def _snake(name: str) -> str:
     return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
 
@@ -113,8 +125,7 @@ class Transform:
 
     def __call__(self, step):
         """``step`` with this transform applied last: a new step; ``step`` is left as it was."""
-        add = getattr(step, "add", None)
-        if add is None or not callable(add):
+        if not isinstance(step, _StepLike):
             hint = ""
             if callable(step):
                 hint = (
@@ -124,7 +135,7 @@ class Transform:
             raise TypeError(
                 f"ft.{self.name}(step): expected an ft.Step, got {type(step).__name__}.{hint}"
             )
-        return add(self)
+        return step.add(self)
 
     def uses(self, hook: str) -> bool:
         """Whether this transform acts in ``hook`` (by default: whether its class overrides it).

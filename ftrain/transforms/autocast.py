@@ -33,6 +33,7 @@ class DynamicLossScale:
     min_scale: float = 1.0
 
     def init(self) -> TensorDict:
+        """The state it keeps: ``scale`` (0-d fp32) and ``good_steps`` (0-d int64)."""
         return TensorDict(
             {
                 "scale": torch.tensor(self.init_scale, dtype=torch.float32),
@@ -42,9 +43,12 @@ class DynamicLossScale:
         )
 
     def scale(self, extra: TensorDict) -> torch.Tensor:
+        """The 0-d scale the loss is multiplied by now, from ``state.extra``."""
         return extra["loss_scale", "scale"]
 
     def update(self, ls: TensorDict, finite: torch.Tensor) -> TensorDict:
+        """The next state, from this one and whether the step's gradients were finite (0-d bool);
+        tensor ops only, no host sync."""
         scale, good = ls["scale"], ls["good_steps"]
         good = torch.where(finite, good + 1, torch.zeros_like(good))
         grow = good >= self.growth_interval
@@ -64,6 +68,7 @@ class StaticLossScale:
     value: float
 
     def init(self) -> TensorDict:
+        """The state it keeps: ``scale`` (0-d fp32) and ``good_steps`` (0-d int64)."""
         return TensorDict(
             {
                 "scale": torch.tensor(self.value, dtype=torch.float32),
@@ -73,9 +78,11 @@ class StaticLossScale:
         )
 
     def scale(self, extra: TensorDict) -> torch.Tensor:
+        """The 0-d scale the loss is multiplied by now, from ``state.extra``."""
         return extra["loss_scale", "scale"]
 
     def update(self, ls: TensorDict, finite: torch.Tensor) -> TensorDict:
+        """The next state: the scale stays; ``good_steps`` counts finite steps in a row."""
         good = torch.where(finite, ls["good_steps"] + 1, torch.zeros_like(ls["good_steps"]))
         return TensorDict({"scale": ls["scale"], "good_steps": good}, batch_size=[])
 
@@ -110,6 +117,26 @@ class Autocast(Transform):
     tf32: bool = False
 
     once = True
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(
+                f"ft.autocast(dtype={self.dtype!r}): legal dtypes are torch.bfloat16, "
+                "torch.float16 and torch.float32 (no autocast)."
+            )
+        if not isinstance(self.tf32, bool):
+            raise TypeError(f"ft.autocast(tf32={self.tf32!r}): expected a bool.")
+        if self.scaler is not None:
+            if not isinstance(self.scaler, (DynamicLossScale, StaticLossScale)):
+                raise TypeError(
+                    f"Autocast(scaler={self.scaler!r}): expected a DynamicLossScale, a "
+                    "StaticLossScale or None."
+                )
+            if self.dtype is not torch.float16:
+                raise ValueError(
+                    f"ft.autocast: a loss scale only applies to torch.float16; "
+                    f"{_DTYPES[self.dtype]} needs no loss scaling. Drop the argument."
+                )
 
     def uses(self, hook: str) -> bool:
         if hook in ("init", "loss_scale", "gradients"):
@@ -150,7 +177,7 @@ def autocast(
     step: Step,
     dtype: torch.dtype = torch.bfloat16,
     *,
-    loss_scale: str | float | None = "dynamic",
+    loss_scale: str | float | DynamicLossScale | StaticLossScale | None = "dynamic",
     tf32: bool = False,
 ) -> Step:
     """Run the forward (and so the backward) under ``torch.autocast(dtype)``.
@@ -165,15 +192,13 @@ def autocast(
 
     **Invariant:** bf16 and fp16 results are close to fp32: on small models the loss agrees to
     1e-2 and each gradient tensor to 3e-2, relative to its largest entry (bf16 measures about
-    8e-3, fp16 about 1e-3; ``tests/test_transforms.py``). fp16 never applies a non-finite update.
+    8e-3, fp16 about 1e-3; ``tests/test_transforms_autocast.py``). fp16 never applies a non-finite update.
     """
     if dtype not in _DTYPES:
         raise ValueError(
             f"ft.autocast(dtype={dtype!r}): legal dtypes are torch.bfloat16, torch.float16 and "
             "torch.float32 (no autocast)."
         )
-    if not isinstance(tf32, bool):
-        raise TypeError(f"ft.autocast(tf32={tf32!r}): expected a bool.")
     scaler = None
     if dtype is torch.float16:
         if loss_scale == "dynamic":
@@ -187,7 +212,7 @@ def autocast(
         elif loss_scale is not None:
             raise ValueError(
                 f"ft.autocast(loss_scale={loss_scale!r}): use 'dynamic', a positive number, "
-                "a DynamicLossScale(...), or None."
+                "a DynamicLossScale(...), a StaticLossScale(...), or None."
             )
     elif loss_scale not in ("dynamic", None):
         raise ValueError(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -14,12 +15,16 @@ __all__ = ["Compile", "compile"]
 
 
 class Compile(Transform):
-    """The ``wrap`` hook: ``torch.compile`` of everything applied before; see :func:`compile`."""
+    """The ``wrap`` hook: ``torch.compile`` of the step's function; see :func:`compile`.
+    Immutable: its ``torch.compile`` options are a read-only mapping."""
 
     name = "compile"
 
     def __init__(self, **torch_compile_kwargs: Any):
-        self.kwargs = dict(torch_compile_kwargs)
+        object.__setattr__(self, "options", MappingProxyType(dict(torch_compile_kwargs)))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"ft.compile's transform is immutable; build a new one ({name}).")
 
     def check(self, inner, outer) -> None:
         if any(isinstance(t, Compile) for t in (*inner, *outer)):
@@ -32,10 +37,10 @@ class Compile(Transform):
                 raise ValueError(f"ft.compile cannot compile a step with ft.{t.name}: {reason}")
 
     def wrap(self, fn: StepFn) -> StepFn:
-        return _CompiledStep(torch.compile(fn, **self.kwargs))
+        return _CompiledStep(torch.compile(fn, **self.options))
 
     def __repr__(self) -> str:
-        return f"Compile({', '.join(f'{k}={v!r}' for k, v in self.kwargs.items())})"
+        return f"Compile({', '.join(f'{k}={v!r}' for k, v in self.options.items())})"
 
 
 class _CompiledStep:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from ftrain.state import TrainState
@@ -10,23 +11,19 @@ from ftrain.step import Step, StepFn, Transform
 __all__ = ["Wrap", "wrap"]
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
 class Wrap(Transform):
     """The ``wrap`` hook (and optionally ``init``) from plain functions; see :func:`wrap`."""
 
-    def __init__(
-        self,
-        wrapper: Callable[[StepFn], StepFn],
-        *,
-        name: str = "wrap",
-        init: Callable[[TrainState], TrainState] | None = None,
-    ):
-        if not callable(wrapper):
+    wrapper: Callable[[StepFn], StepFn]
+    name: str = "wrap"
+    init_fn: Callable[[TrainState], TrainState] | None = None
+
+    def __post_init__(self) -> None:
+        if not callable(self.wrapper):
             raise TypeError("ft.wrap(step, wrapper): wrapper must be callable as wrapper(inner).")
-        if init is not None and not callable(init):
+        if self.init_fn is not None and not callable(self.init_fn):
             raise TypeError("ft.wrap(..., init=...): init must be callable as init(state).")
-        self.wrapper = wrapper
-        self.name = name
-        self.init_fn = init
 
     def uses(self, hook: str) -> bool:
         if hook == "init":
@@ -59,4 +56,4 @@ def wrap(
     To act *inside* the step (on the gradients, the forward, the batch split), subclass
     ``ft.Transform`` instead: see docs/transforms.md.
     """
-    return Wrap(wrapper, name=name, init=init)(step)
+    return Wrap(wrapper, name=name, init_fn=init)(step)
