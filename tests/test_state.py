@@ -84,3 +84,14 @@ def test_param_count_counts_each_number_once():
     assert ft.param_count(ft.params_of(model)) == sum(p.numel() for p in model.parameters())
     with pytest.raises(TypeError, match="num_params"):
         ft.param_count(model)
+
+
+def test_to_device_moves_the_tensors_but_keeps_step_and_rng_on_the_cpu():
+    net = Net()
+    opt = ft.optim.adamw(1e-3)
+    state = ft.TrainState.create(ft.params_of(net), opt)
+    moved = state.to_device("meta")  # a device that exists everywhere
+    assert all(t.device.type == "meta" for t in ft.tree.leaves(moved.params))
+    assert all(t.device.type == "meta" for t in ft.tree.leaves(moved.opt_state))
+    assert moved.step.device.type == moved.rng.device.type == "cpu"
+    assert all(t.device.type == "cpu" for t in ft.tree.leaves(state.params))  # the input stays
