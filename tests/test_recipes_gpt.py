@@ -49,6 +49,13 @@ def test_schedules(name, values):
     assert [float(early(s)) for s in range(60)] == [float(longer(s)) for s in range(60)]
 
 
+def test_schedule_annotation_resolves_to_the_one_schedule_type():
+    import typing
+
+    assert typing.get_type_hints(gpt.build_schedule)["return"] == optim.schedules.Schedule
+    assert optim.Schedule is optim.schedules.Schedule
+
+
 def test_optimizer_decays_matrices_only_and_clips_first():
     torch.manual_seed(0)
     model = ft.models.GPT(

@@ -12,9 +12,8 @@ from tensordict import TensorDict, TensorDictBase
 from ftrain import tree
 from ftrain.optim.base import GradientTransformation, chain
 from ftrain.optim.factorized import scale_by_factored_rms, scale_by_param_block_rms
-from ftrain.optim.schedules import as_schedule
+from ftrain.optim.schedules import Schedule, as_schedule
 from ftrain.optim.transforms import (
-    Schedule,
     add_decayed_weights,
     clip_by_block_rms,
     scale_by_adam,
