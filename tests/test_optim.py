@@ -155,6 +155,12 @@ def test_every_alias_that_decays_weights_takes_mask():
             assert "mask" in options, name
 
 
+def test_the_optimizer_table_is_read_only():
+    with pytest.raises(TypeError):
+        optim.OPTIMIZERS["mine"] = optim.sgd  # type: ignore[index]
+    assert "mine" not in optim.OPTIMIZERS and "adamw" in optim.OPTIMIZERS
+
+
 # --- Adam / AdamW: step for step and trajectory ----------------------------------------------
 
 

@@ -21,6 +21,7 @@ References:
 from __future__ import annotations
 
 import math
+import types
 from dataclasses import dataclass
 
 import torch
@@ -33,14 +34,17 @@ from ftrain.models.onednn import Linear, linear
 
 # What GPTConfig.matmul selects: the layer class of every linear of the model, and the function of
 # the tied lm head (whose weight is the embedding's, so it is not a layer). Same parameters either
-# way. The MoE experts' batched weights are not linears: they always use torch.mm.
-MATMULS = {
-    # oneDNN for float32 products on an x86 CPU large enough to pay for its call (onednn.MIN_MACS;
-    # about 2x MKL on AMD processors), F.linear everywhere else (GPU, bf16, autocast, small products)
-    "auto": (Linear, linear),
-    # PyTorch's own matmul everywhere (MKL on the CPU, cuBLAS on a GPU)
-    "torch": (nn.Linear, F.linear),
-}
+# way. The MoE experts' batched weights are not linears: they always use torch.mm. Read-only.
+MATMULS = types.MappingProxyType(
+    {
+        # oneDNN for float32 products on an x86 CPU large enough to pay for its call
+        # (onednn.MIN_MACS; about 2x MKL on AMD processors), F.linear everywhere else (GPU, bf16,
+        # autocast, small products)
+        "auto": (Linear, linear),
+        # PyTorch's own matmul everywhere (MKL on the CPU, cuBLAS on a GPU)
+        "torch": (nn.Linear, F.linear),
+    }
+)
 
 
 @dataclass
