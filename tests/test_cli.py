@@ -30,6 +30,15 @@ def test_bad_flags_get_usage_errors(argv, message, capsys):
     assert message in err and "Traceback" not in err
 
 
+def test_a_bad_setting_is_reported_by_the_train_command(capsys):
+    """Settings checked after parsing (TrainConfig's own checks) get the usage of `ftrain train`."""
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--max-steps", "0"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("usage: ftrain train ")
+    assert "ftrain train: error: --max-steps must be >= 1" in err
+
+
 @pytest.mark.parametrize(
     "argv", [["--max-new-tokens", "0"], ["--temperature", "-1"], ["--top-k", "-1"]]
 )
