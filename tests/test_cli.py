@@ -19,7 +19,11 @@ from ftrain.cli import main, parser
         (["--optimizer", "adamm"], "--optimizer must be one of"),
         (["--max-steps", "0"], "--max-steps must be >= 1"),
         (["--frobnicate"], "unrecognized arguments"),
-        (["--shard", "fsdp", "--compile"], "--compile cannot be combined with --shard fsdp"),
+        (
+            ["--shard", "fsdp", "--compile"],
+            "--compile cannot be combined with --shard fsdp (torch.compile cannot trace fsdp's "
+            "per-block gathering",
+        ),
     ],
 )
 def test_bad_flags_get_usage_errors(argv, message, capsys):
