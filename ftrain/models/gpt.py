@@ -221,6 +221,9 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
         self.ln_f = nn.LayerNorm(config.d_model, eps=config.norm_eps, bias=config.bias)
+        # the function of the model's linears, for the tied head; looked up here, not in forward
+        # (torch.compile breaks its graph on a read of the read-only MATMULS)
+        self.head_matmul = MATMULS[config.matmul][1]
         if config.tie_weights:
             self.lm_head = None  # the output projection is wte.weight, see forward
         else:
@@ -280,8 +283,7 @@ class GPT(nn.Module):
                 balances.append(balance)
         x = self.ln_f(x)  # (B, T, d)
         if self.lm_head is None:
-            _, head = MATMULS[self.config.matmul]  # the function of the model's linears
-            logits = head(x, self.wte.weight)  # (B, T, vocab): tied to the token embedding
+            logits = self.head_matmul(x, self.wte.weight)  # (B, T, vocab): tied to wte
         else:
             logits = self.lm_head(x)  # (B, T, vocab)
         if not return_aux:
