@@ -55,17 +55,17 @@ SIZES = {  # name: (d_model, n_layer, seq_len, batch, target for donate=True)
     "compute-bound": (256, 4, 128, 16, 1.02),
     "overhead-bound": (64, 2, 32, 8, 1.15),
 }
-# Where the rest goes: measured separately, with the same interleaving, when this was written.
+# Where the rest goes: measured separately with the same interleaving (this script does not
+# measure it; the numbers are the text below).
 NOTES = """Where the donated step's remaining overhead goes at the overhead-bound size: `ft.apply` swaps
 the params into the module through a per-module plan built once (tied places, owners, shapes),
-checked by identity on each call: about 25-75 µs over a plain module call (it was about 330 µs
-through `torch.func.functional_call`, which re-derives the tied-weight map every call; the ratio
-went from 1.08 to 1.05). Flattening and rebuilding TensorDicts is about 50 µs; dividing the
-gradients by the token count and the gradient norm the metrics report about 70 µs. The pure step
-costs more than the donated one because it allocates new params and moments every step: on this
-CPU a fresh multi-megabyte tensor costs several times an in-place pass over it. In isolation
-ftrain's AdamW is a chain of multi-tensor kernels (optax-style building blocks); torch's fused
-AdamW is one pass per tensor, about 3x faster than either foreach version."""
+checked by identity on each call: about 25-75 µs over a plain module call. Flattening and
+rebuilding TensorDicts is about 50 µs; dividing the gradients by the token count and the gradient
+norm the metrics report about 70 µs. The pure step costs more than the donated one because it
+allocates new params and moments every step: on this CPU a fresh multi-megabyte tensor costs
+several times an in-place pass over it. In isolation ftrain's AdamW is a chain of multi-tensor
+kernels (optax-style building blocks); torch's fused AdamW is one pass per tensor, about 3x faster
+than either foreach version."""
 # nanoGPT's baby GPT on shakespeare_char (its README's CPU run): the config and its AdamW.
 BABY = dict(vocab=65, d=128, n_layer=4, n_head=4, seq=64, batch=12, target=1.05)
 BABY_LR, BABY_MIN_LR, BABY_WD, BABY_CLIP, BABY_WARMUP, BABY_ITERS = 1e-3, 1e-4, 0.1, 1.0, 100, 2000

@@ -21,6 +21,12 @@ __all__ = ["main", "parser"]
 
 def parser() -> argparse.ArgumentParser:
     """The command-line parser (``ftrain --help``)."""
+    return _parsers()[0]
+
+
+def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The command-line parser and its ``train`` subparser (whose ``error`` reports a bad
+    setting as ``ftrain train: error: ...``, under that command's usage)."""
     p = argparse.ArgumentParser(
         prog="ftrain", description="Functional training for PyTorch: the main job and tools."
     )
@@ -39,15 +45,14 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--temperature", type=float, default=0.8, metavar="T")
     s.add_argument("--top-k", type=int, default=50, metavar="K", help="0 = no top-k filter")
     s.add_argument("--seed", type=int, default=0)
-    return p
+    return p, t
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command; returns the exit status (130 after a Ctrl-C that saved a checkpoint)."""
-    p = parser()
+    p, train_parser = _parsers()
     ns = p.parse_args(argv)
     if ns.command == "train":
-        sub = p._subparsers._group_actions[0].choices["train"]  # for error messages
         from ftrain.loop import train
         from ftrain.process import keep_freed_memory
         from ftrain.rundir import check_out
@@ -56,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = from_args(ns)
             check_out(cfg)
         except ValueError as e:
-            sub.error(str(e))
+            train_parser.error(str(e))
 
         keep_freed_memory()  # this process trains: no page faults on every step's activations
         try:

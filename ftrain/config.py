@@ -142,8 +142,9 @@ class TrainConfig:
                 )
         if self.compile and self.shard == "fsdp":
             raise ValueError(
-                "--compile cannot be combined with --shard fsdp (fsdp's per-block gathers "
-                "recompile the step every call); use --shard zero2 with --compile, or drop --compile"
+                "--compile cannot be combined with --shard fsdp (torch.compile cannot trace fsdp's "
+                "per-block gathering of the params); use --shard zero2 with --compile, or drop "
+                "--compile"
             )
         from ftrain.optim import OPTIMIZERS
 

@@ -114,7 +114,8 @@ def _restore(run: _Run) -> tuple[ft.TrainState, int]:
     cfg, state = run.cfg, run.recipe.state
     if not cfg.resume:
         return state, 0
-    # rank 0 looks (latest_checkpoint may tidy what an interrupted save left); all load
+    # Rank 0 finds the newest checkpoint that verifies (reading each file once; what an
+    # interrupted save left is warned about, and the next save_checkpoint tidies it); all load it.
     latest = _from_rank0(ft.latest_checkpoint(run.out) if run.main else None, run.world)
     if latest is None:
         if run.main:
@@ -201,7 +202,7 @@ def _train_steps(
                 _save(run, state)
             report.advance()
             if run.world > 1:  # stop together: a process that stops alone leaves the others waiting
-                flag["stop"] = any(_all_ranks(flag["stop"], run.world))
+                flag["stop"] = _any_rank(flag["stop"])
             if flag["stop"]:
                 return state, True
     return state, False
@@ -363,6 +364,17 @@ def _from_rank0(value: Any, world: int) -> Any:
     box = [value]
     torch.distributed.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def _any_rank(flag: bool) -> bool:
+    """Whether ``flag`` is set on any process: every process gets the same answer, so all stop
+    at the same step. One all-reduce (MAX) of a 0-d int tensor, and its read is a host sync."""
+    # NCCL reduces only CUDA tensors (the group's device); gloo, CPU ones
+    on_gpu = torch.distributed.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    t = torch.tensor(int(flag), device=device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return bool(t.item())
 
 
 def _all_ranks(value: Any, world: int) -> list[Any]:

@@ -19,7 +19,11 @@ from ftrain.cli import main, parser
         (["--optimizer", "adamm"], "--optimizer must be one of"),
         (["--max-steps", "0"], "--max-steps must be >= 1"),
         (["--frobnicate"], "unrecognized arguments"),
-        (["--shard", "fsdp", "--compile"], "--compile cannot be combined with --shard fsdp"),
+        (
+            ["--shard", "fsdp", "--compile"],
+            "--compile cannot be combined with --shard fsdp (torch.compile cannot trace fsdp's "
+            "per-block gathering",
+        ),
     ],
 )
 def test_bad_flags_get_usage_errors(argv, message, capsys):
@@ -28,6 +32,15 @@ def test_bad_flags_get_usage_errors(argv, message, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_a_bad_setting_is_reported_by_the_train_command(capsys):
+    """Settings checked after parsing (TrainConfig's own checks) get the usage of `ftrain train`."""
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--max-steps", "0"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("usage: ftrain train ")
+    assert "ftrain train: error: --max-steps must be >= 1" in err
 
 
 @pytest.mark.parametrize(

@@ -219,6 +219,14 @@ def test_matmul_selects_the_class_of_every_linear(kw):
         assert n == m and torch.equal(a, b), n  # same init from the same seed
 
 
+def test_the_matmul_table_is_read_only():
+    from ftrain.models.gpt import MATMULS
+
+    with pytest.raises(TypeError):
+        MATMULS["mine"] = (nn.Linear, torch.nn.functional.linear)  # type: ignore[index]
+    assert set(MATMULS) == {"auto", "torch"}
+
+
 def took_onednn(y: torch.Tensor) -> bool:
     return type(y.grad_fn).__name__ == "_OneDNNLinearBackward"
 

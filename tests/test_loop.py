@@ -231,3 +231,38 @@ def test_ctrl_c_saves_and_exits_cleanly(tmp_path, tiny_run):
     assert "Traceback" not in text and "interrupted at step" in text
     step = int(ft.load(ft.latest_checkpoint(out)).step)
     assert step >= 1 and f"interrupted at step {step}" in text
+
+
+def _train_and_stop_rank_0_at_its_first_log(cfg):
+    """train() on one of two ranks; rank 0 gets a Ctrl-C while it logs its first step. Counts
+    the object collectives (pickled, a host sync each) the loop makes."""
+    import torch.distributed as dist
+
+    import ftrain.rundir
+
+    rank = dist.get_rank()
+    gathers, real_gather = [], dist.all_gather_object
+    dist.all_gather_object = lambda *a, **kw: gathers.append(1) or real_gather(*a, **kw)
+    write = ftrain.rundir.MetricsLog.write
+
+    def write_then_interrupt(self, record):
+        write(self, record)
+        os.kill(os.getpid(), signal.SIGINT)  # the loop's handler only sets its stop flag
+
+    if rank == 0:
+        ftrain.rundir.MetricsLog.write = write_then_interrupt
+    summary = train(cfg)
+    return summary["step"], summary.get("interrupted", False), len(gathers)
+
+
+def test_a_ctrl_c_on_one_rank_stops_every_rank_at_the_same_step(tmp_path, tiny_run):
+    """Every process stops after the same step (one that stopped alone would leave the others
+    waiting in a collective); the per-step check is one all-reduce, not an object gather: the only
+    one is the final save's (each process's data position)."""
+    cfg = _config([*tiny_run, "--max-steps", "1000", "--save-every", "0", "--out",
+                   str(tmp_path / "run")])  # fmt: skip
+    ranks = ft.distributed.run_distributed(_train_and_stop_rank_0_at_its_first_log, 2, cfg)
+    (step0, interrupted, gathers0), (step1, _, gathers1) = ranks
+    assert step0 == step1 < 1000 and interrupted
+    assert gathers0 == gathers1 == 1
+    assert int(ft.load(ft.latest_checkpoint(tmp_path / "run")).step) == step0

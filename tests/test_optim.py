@@ -155,6 +155,12 @@ def test_every_alias_that_decays_weights_takes_mask():
             assert "mask" in options, name
 
 
+def test_the_optimizer_table_is_read_only():
+    with pytest.raises(TypeError):
+        optim.OPTIMIZERS["mine"] = optim.sgd  # type: ignore[index]
+    assert "mine" not in optim.OPTIMIZERS and "adamw" in optim.OPTIMIZERS
+
+
 # --- Adam / AdamW: step for step and trajectory ----------------------------------------------
 
 
@@ -380,6 +386,31 @@ def test_a_transform_written_against_the_public_api_composes():
     for b in batches:
         state, _ = step(state, b)
     assert tensor_rel(flat(state.params), want) <= 1e-6
+
+
+def test_a_wrapper_made_with_functools_wraps_is_called():
+    """A user's wrapper of a built-in's update (``functools.wraps`` copies the update's attributes)
+    is what ``chain`` and the train step call, not the built-in it wraps."""
+    import functools
+
+    def halved(inner):
+        @functools.wraps(inner.update)
+        def update(updates, state, params=None):  # no ``inplace``: it must not be passed one
+            u, s = inner.update(updates, state, params)
+            return u.apply(lambda x: x * 0.5), s
+
+        return optim.GradientTransformation(inner.init, update)
+
+    params, grads = _params_and_grads()
+    sgd = optim.sgd(0.1)
+    want = sgd.update(grads, sgd.init(params), params)[0].apply(lambda x: x * 0.5)
+    opt = optim.chain(halved(sgd), optim.identity())
+    got = opt.update(grads, opt.init(params), params)[0]
+    assert (got == want).all()
+
+    model, batches = tiny_gpt(), make_batches(3)
+    ref = ftrain_run(model, optim.sgd(0.05), batches)
+    assert tensor_rel(ftrain_run(model, halved(optim.sgd(0.1)), batches), ref) <= 1e-6
 
 
 def test_update_is_pure_and_inplace_gives_the_same_result():

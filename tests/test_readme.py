@@ -29,3 +29,12 @@ def test_readme_test_command_is_what_ci_runs():
     assert test_cmd.split("&&")[-1].strip() in ci
     assert "torch==2.13.0" in ci and '".[dev]"' in ci
     assert any("ftrain train" in c for c in commands)
+
+
+def test_every_file_the_readme_names_is_in_the_repository():
+    """Each Markdown file the README points to (a link or a name in backticks) is a file of this
+    repository, at that path from its root."""
+    named = set(re.findall(r"[\w./-]+\.md\b", README))
+    assert "docs/transforms.md" in named
+    missing = sorted(n for n in named if not (ROOT / n).is_file())
+    assert not missing, missing

@@ -49,6 +49,13 @@ def test_schedules(name, values):
     assert [float(early(s)) for s in range(60)] == [float(longer(s)) for s in range(60)]
 
 
+def test_schedule_annotation_resolves_to_the_one_schedule_type():
+    import typing
+
+    assert typing.get_type_hints(gpt.build_schedule)["return"] == optim.schedules.Schedule
+    assert optim.Schedule is optim.schedules.Schedule
+
+
 def test_optimizer_decays_matrices_only_and_clips_first():
     torch.manual_seed(0)
     model = ft.models.GPT(
@@ -114,6 +121,53 @@ def test_build_is_a_function_of_the_config(tiny_run):
         assert batch["input"].shape == (2 * 4, 32)
         state, metrics = a.step(a.state, batch)
     assert int(state.step) == 1 and float(metrics["count"]) == 2 * 4 * 32
+
+
+def _build_data_on_this_rank(data_dir: str):
+    """gpt.build_data on one rank of two, recording which ranks called build_token_dataset."""
+    import ftrain.data
+
+    rank, world = ft.distributed.rank_and_world()
+    built, real = [], ftrain.data.build_token_dataset
+    ftrain.data.build_token_dataset = lambda *a, **kw: built.append(rank) or real(*a, **kw)
+    _, valid = gpt.build_data(TrainConfig(data_dir=data_dir, seq_len=16), rank=rank, world=world,
+                              quiet=True)  # fmt: skip
+    return built, len(valid), valid[0]["input"]
+
+
+def test_data_is_built_by_rank_0_and_opened_by_every_rank(tmp_path):
+    """Under torchrun every process builds the recipe at once: only rank 0 writes the token build
+    (two writers of one folder race on its files); the others open it after a barrier."""
+    ranks = ft.distributed.run_distributed(_build_data_on_this_rank, 2, str(tmp_path / "tokens"))
+    assert [built for built, _, _ in ranks] == [[0], []]
+    (_, n0, row0), (_, n1, row1) = ranks
+    assert n0 == n1 > 0 and torch.equal(row0, row1)
+
+
+def test_build_model_leaves_the_global_generator_as_it_was():
+    cfg = TrainConfig(seq_len=16, d_model=32, n_layer=1, n_head=2, seed=3)
+    torch.manual_seed(123)
+    model = gpt.build_model(cfg)
+    after = torch.rand(4)
+    torch.manual_seed(123)
+    assert torch.equal(after, torch.rand(4))  # building the model drew nothing from it
+    # ...and the model is the one cfg.seed gives, whatever the global generator's state
+    torch.manual_seed(cfg.seed)
+    ref = ft.models.GPT(
+        ft.models.GPTConfig(seq_len=16, d_model=32, n_layer=1, n_head=2, bias=False)
+    )
+    for (n, a), (m, b) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
+        assert n == m and torch.equal(a, b), n
+
+
+def test_sample_reads_a_checkpoint_whose_settings_this_version_lacks(tmp_path):
+    cfg = TrainConfig(seq_len=16, d_model=32, n_layer=1, n_head=2)
+    opt = optim.sgd(0.1)
+    state = ft.TrainState.create(ft.params_of(gpt.build_model(cfg)), opt)
+    settings = {**cfg.to_dict(), "a_setting_of_a_later_version": 1}
+    ft.save_checkpoint(tmp_path / "run", state, extra={"config": settings})
+    text = gpt.sample(tmp_path / "run", "def ", 6, temperature=0.8, top_k=50)
+    assert text == gpt.sample_text(gpt.build_model(cfg), state.params, "def ", 6)
 
 
 def test_sample_text_follows_the_params_not_the_template():

@@ -21,6 +21,7 @@ References:
 from __future__ import annotations
 
 import math
+import types
 from dataclasses import dataclass
 
 import torch
@@ -33,14 +34,17 @@ from ftrain.models.onednn import Linear, linear
 
 # What GPTConfig.matmul selects: the layer class of every linear of the model, and the function of
 # the tied lm head (whose weight is the embedding's, so it is not a layer). Same parameters either
-# way. The MoE experts' batched weights are not linears: they always use torch.mm.
-MATMULS = {
-    # oneDNN for float32 products on an x86 CPU large enough to pay for its call (onednn.MIN_MACS;
-    # about 2x MKL on AMD processors), F.linear everywhere else (GPU, bf16, autocast, small products)
-    "auto": (Linear, linear),
-    # PyTorch's own matmul everywhere (MKL on the CPU, cuBLAS on a GPU)
-    "torch": (nn.Linear, F.linear),
-}
+# way. The MoE experts' batched weights are not linears: they always use torch.mm. Read-only.
+MATMULS = types.MappingProxyType(
+    {
+        # oneDNN for float32 products on an x86 CPU large enough to pay for its call
+        # (onednn.MIN_MACS; about 2x MKL on AMD processors), F.linear everywhere else (GPU, bf16,
+        # autocast, small products)
+        "auto": (Linear, linear),
+        # PyTorch's own matmul everywhere (MKL on the CPU, cuBLAS on a GPU)
+        "torch": (nn.Linear, F.linear),
+    }
+)
 
 
 @dataclass
@@ -217,6 +221,9 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
         self.ln_f = nn.LayerNorm(config.d_model, eps=config.norm_eps, bias=config.bias)
+        # the function of the model's linears, for the tied head; looked up here, not in forward
+        # (torch.compile breaks its graph on a read of the read-only MATMULS)
+        self.head_matmul = MATMULS[config.matmul][1]
         if config.tie_weights:
             self.lm_head = None  # the output projection is wte.weight, see forward
         else:
@@ -276,8 +283,7 @@ class GPT(nn.Module):
                 balances.append(balance)
         x = self.ln_f(x)  # (B, T, d)
         if self.lm_head is None:
-            _, head = MATMULS[self.config.matmul]  # the function of the model's linears
-            logits = head(x, self.wte.weight)  # (B, T, vocab): tied to the token embedding
+            logits = self.head_matmul(x, self.wte.weight)  # (B, T, vocab): tied to wte
         else:
             logits = self.lm_head(x)  # (B, T, vocab)
         if not return_aux:

@@ -26,6 +26,7 @@ from ftrain.optim.factorized import scale_by_factored_rms, scale_by_param_block_
 from ftrain.optim.lamb import lamb, scale_by_trust_ratio
 from ftrain.optim.quantized import adamw8bit, scale_by_adam_8bit
 from ftrain.optim.schedules import (
+    Schedule,
     constant,
     cosine_decay,
     inverse_sqrt,
@@ -53,6 +54,7 @@ from ftrain.optim.updates import apply_updates
 __all__ = [
     "GradientTransformation",
     "OPTIMIZERS",
+    "Schedule",
     "adafactor",
     "adam",
     "adamw",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import functools
 import inspect
+import types
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -12,9 +13,8 @@ from tensordict import TensorDict, TensorDictBase
 from ftrain import tree
 from ftrain.optim.base import GradientTransformation, chain
 from ftrain.optim.factorized import scale_by_factored_rms, scale_by_param_block_rms
-from ftrain.optim.schedules import as_schedule
+from ftrain.optim.schedules import Schedule, as_schedule
 from ftrain.optim.transforms import (
-    Schedule,
     add_decayed_weights,
     clip_by_block_rms,
     scale_by_adam,
@@ -267,21 +267,23 @@ def adafactor(
     )
 
 
-def _optimizers() -> dict:
+def _optimizers() -> types.MappingProxyType:
     from ftrain.optim.lamb import lamb
     from ftrain.optim.quantized import adamw8bit
 
-    return {
-        "sgd": sgd,
-        "adam": adam,
-        "adamw": adamw,
-        "lion": lion,
-        "adafactor": adafactor,
-        "adamw8bit": adamw8bit,
-        "lamb": lamb,
-    }
+    return types.MappingProxyType(
+        {
+            "sgd": sgd,
+            "adam": adam,
+            "adamw": adamw,
+            "lion": lion,
+            "adafactor": adafactor,
+            "adamw8bit": adamw8bit,
+            "lamb": lamb,
+        }
+    )
 
 
 # Every alias by name (what ``ftrain train --optimizer`` accepts); each takes the learning rate
-# (a number or a schedule) first.
+# (a number or a schedule) first. Read-only: what the process accepts cannot change under it.
 OPTIMIZERS = _optimizers()

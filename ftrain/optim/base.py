@@ -45,6 +45,7 @@ __all__ = [
     "leaf_update",
     "LeafContext",
     "accepts_inplace",
+    "all_finite",
 ]
 
 Leaves = list[torch.Tensor]
@@ -86,8 +87,12 @@ def empty_state() -> TensorDict:
 
 
 def accepts_inplace(fn: Callable) -> bool:
+    """Whether ``fn`` can be called with ``inplace=...``: it names an ``inplace`` parameter or
+    takes ``**kwargs``. ``fn``'s own signature decides, not that of a function it wraps
+    (``functools.wraps`` sets ``__wrapped__``; the wrapper is what gets called). False when the
+    signature cannot be read (some builtins)."""
     try:
-        params = inspect.signature(fn).parameters
+        params = inspect.signature(fn, follow_wrapped=False).parameters
     except (TypeError, ValueError):
         return False
     return "inplace" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
@@ -112,7 +117,11 @@ def leafwise(init: Callable, fn: LeafUpdate) -> GradientTransformation:
     """A transformation from ``init`` and a leaf-level update ``fn(updates, state, params, ctx)``
     over lists of tensors (see :class:`LeafContext`). Its public ``update`` flattens once, runs
     ``fn`` and builds the TensorDicts once; ``chain`` and the train step call ``fn`` directly.
-    How the built-in transforms are written, for multi-tensor (``torch._foreach_*``) math."""
+    How the built-in transforms are written, for multi-tensor (``torch._foreach_*``) math.
+
+    ``fn`` is recorded on ``update`` together with ``update`` itself, and :func:`leaf_update` uses
+    it only for that very function: a wrapper made with ``functools.wraps(update)`` copies the
+    record too, but is not ``update``, so it is called as written."""
 
     def update(updates, state, params=None, *, inplace=False):
         u, tdef = tree.flatten(updates)
@@ -121,7 +130,7 @@ def leafwise(init: Callable, fn: LeafUpdate) -> GradientTransformation:
         new_u, new_s = fn(u, s, p, LeafContext(tdef, sdef, inplace, inplace))
         return tdef.unflatten(new_u), sdef.unflatten(new_s)
 
-    update._leaf_update = fn  # type: ignore[attr-defined]
+    update._leaf_update = (fn, update)  # type: ignore[attr-defined]
     return GradientTransformation(init, update)
 
 
@@ -129,9 +138,9 @@ def leaf_update(t: GradientTransformation) -> LeafUpdate:
     """The leaf-level update of ``t`` (built-in transforms have one; for others, an adapter that
     builds TensorDicts, calls ``t.update`` and flattens the result). Called when a chain or a
     step is built, not per step."""
-    fn = getattr(t.update, "_leaf_update", None)
-    if fn is not None:
-        return fn
+    recorded = getattr(t.update, "_leaf_update", None)
+    if isinstance(recorded, tuple) and len(recorded) == 2 and recorded[1] is t.update:
+        return recorded[0]
     takes_inplace = accepts_inplace(t.update)
 
     def adapted(u, s, p, ctx):

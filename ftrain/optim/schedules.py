@@ -33,6 +33,8 @@ __all__ = [
 ]
 
 Schedule = Callable[[torch.Tensor], torch.Tensor]
+"""A learning-rate (or any hyper-parameter) schedule: ``count -> value``, a 0-d integer tensor
+to a 0-d float tensor, built from tensor ops only."""
 
 
 def _count(count) -> torch.Tensor:

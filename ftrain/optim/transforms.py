@@ -12,8 +12,6 @@ tensors may be overwritten (inside a chain, after the first transform, they alwa
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from tensordict import TensorDict
 
@@ -24,7 +22,7 @@ from ftrain.optim.base import (
     masked,
 )
 from ftrain.optim.kernels import add_, check_same_keys, mul, norms_and_roots, zero_count
-from ftrain.optim.schedules import as_schedule
+from ftrain.optim.schedules import Schedule, as_schedule
 
 __all__ = [
     "scale",
@@ -38,8 +36,6 @@ __all__ = [
     "scale_by_adam",
     "scale_by_lion",
 ]
-
-Schedule = Callable[[torch.Tensor], torch.Tensor]
 
 
 def _zeros(params) -> TensorDict:

@@ -18,6 +18,7 @@ transforms are composed. The loop (``ftrain.loop``) calls only :func:`build` and
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import os
 from pathlib import Path
@@ -80,9 +81,18 @@ def build_data(
     cfg: TrainConfig, *, rank: int = 0, world: int = 1, quiet: bool = False
 ) -> tuple[data.Loader, data.TokenDataset]:
     """The token build of the stdlib corpus (made once, then cached), the train loader for this
-    process (an endless stream, resumable) and the validation dataset."""
+    process (an endless stream, resumable) and the validation dataset.
+
+    In a process group of ``world`` processes, rank 0 builds (or finds the cache) while the others
+    wait at a barrier, then every process opens the build: two writers of the same folder would
+    race on its files. The folder must then be one all processes see (one machine, or a shared
+    filesystem)."""
     path = data_dir(cfg)
-    data.build_token_dataset(data.corpora.python_stdlib(), path, progress=not quiet)
+    together = world > 1 and ft.distributed.is_initialized()
+    if rank == 0 or not together:
+        data.build_token_dataset(data.corpora.python_stdlib(), path, progress=not quiet)
+    if together:
+        torch.distributed.barrier()  # the others open the build only once rank 0 has written it
     train_ds = data.TokenDataset(path, cfg.seq_len, seed=cfg.seed, split="train")
     valid_ds = data.TokenDataset(path, cfg.seq_len, seed=cfg.seed, split="valid")
     rows = cfg.batch_size * cfg.micro_batches  # per process per optimizer step
@@ -106,21 +116,22 @@ class _Strided:
 
 # -- model and loss ---------------------------------------------------------------------------
 def build_model(cfg: TrainConfig) -> GPT:
-    """The GPT template, initialized from ``cfg.seed`` (its tensors only initialize the params)."""
-    torch.manual_seed(cfg.seed)
-    return GPT(
-        GPTConfig(
-            vocab_size=data.ByteTokenizer().vocab_size,
-            seq_len=cfg.seq_len,
-            d_model=cfg.d_model,
-            n_layer=cfg.n_layer,
-            n_head=cfg.n_head,
-            bias=cfg.bias,
-            dropout=cfg.dropout,
-            n_experts=cfg.n_experts,
-            top_k=cfg.top_k,
-        )
+    """The GPT template, initialized from ``cfg.seed`` (its tensors only initialize the params).
+    The global (CPU) random generator is left as it was."""
+    config = GPTConfig(
+        vocab_size=data.ByteTokenizer().vocab_size,
+        seq_len=cfg.seq_len,
+        d_model=cfg.d_model,
+        n_layer=cfg.n_layer,
+        n_head=cfg.n_head,
+        bias=cfg.bias,
+        dropout=cfg.dropout,
+        n_experts=cfg.n_experts,
+        top_k=cfg.top_k,
     )
+    with torch.random.fork_rng(devices=[]):  # the model is built on the CPU
+        torch.manual_seed(cfg.seed)
+        return GPT(config)
 
 
 def make_loss_fn(model: GPT):
@@ -182,7 +193,8 @@ def build_step(cfg: TrainConfig, model: GPT, opt: optim.GradientTransformation) 
     Autocast, checkpoint and accumulate act on different phases (the forward's precision, what it
     keeps for backward, how a batch is split), so their order among themselves does not matter.
     Shard wraps the accumulated step so that it reduces the gradients once per optimizer step, not
-    once per micro-batch; compile comes last so that it compiles everything inside it.
+    once per micro-batch. Compile compiles every transform of the step wherever it sits; it comes
+    last here only so that the composition reads in the order the step is built.
     """
     step = ft.train_step(make_loss_fn(model), opt, donate=True)
     if cfg.precision != "fp32":
@@ -247,7 +259,9 @@ def sample(
     if latest is None:
         raise SystemExit(f"ftrain sample: no checkpoint in {run}")
     saved: dict[str, Any] = rundir.saved_config(ft.load_meta(latest))
-    model = build_model(TrainConfig(**{k: v for k, v in saved.items() if k != "config"}))
+    # Only this version's settings: a checkpoint written by another version may hold others.
+    known = {f.name for f in dataclasses.fields(TrainConfig)} - {"config"}
+    model = build_model(TrainConfig(**{k: v for k, v in saved.items() if k in known}))
     state = ft.load(latest)
     return sample_text(
         model, state.params, prompt, max_new_tokens, temperature=temperature, top_k=top_k, seed=seed
