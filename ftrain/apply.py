@@ -112,7 +112,9 @@ def apply(module: nn.Module, params: TensorDictBase, *args, buffers=None, **kwar
     The module's own tensors are back in place when the call returns or raises, and nothing is
     written onto it. What the forward captured (e.g. activation checkpointing) keeps the tensors it
     was called with. Nested calls, of the same module or another, are fine. A parameter or
-    submodule registered on the module after a call is picked up by the next one.
+    submodule registered on the module after a call is picked up by the next one. Calls of one
+    module from two threads at once are not: the tensors are placed in the module's own tables
+    for the extent of a call (as ``functional_call`` places them), so use one template per thread.
     """
     _check_module(module)
     if not isinstance(params, TensorDictBase):
