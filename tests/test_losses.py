@@ -208,15 +208,20 @@ def test_row_mean_silences_the_warning_and_equals_the_whole_batch_for_a_per_row_
         assert_steps_close(ft.accumulate(step, 4), step, state, batch, steps=2, rtol=1e-5)
 
 
-def test_the_warning_comes_once_per_step_and_only_where_pieces_are_combined():
+def linear_mse(rows):
+    """A Linear(3, 2) whose loss function returns a plain scalar mean: ``(mse, opt, state, batch)``."""
     model = torch.nn.Linear(3, 2)
-    batch = {"x": torch.randn(6, 3), "y": torch.randn(6, 2)}
+    batch = {"x": torch.randn(rows, 3), "y": torch.randn(rows, 2)}
 
     def mse(params, b):
         return ((ft.apply(model, params, b["x"]) - b["y"]) ** 2).mean()
 
     opt = ft.optim.sgd(0.1)
-    state = ft.TrainState.create(ft.params_of(model), opt)
+    return mse, opt, ft.TrainState.create(ft.params_of(model), opt), batch
+
+
+def test_the_warning_comes_once_per_step_and_only_where_pieces_are_combined():
+    mse, opt, state, batch = linear_mse(6)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         ft.train_step(mse, opt)(state, batch)  # one piece: a row mean is exact, nothing to say
@@ -237,14 +242,7 @@ class SumAcross(ft.Transform):
 
 
 def test_a_reduce_hook_is_named_and_an_error_filter_stops_before_the_update():
-    model = torch.nn.Linear(3, 2)
-    batch = {"x": torch.randn(4, 3), "y": torch.randn(4, 2)}
-
-    def mse(params, b):
-        return ((ft.apply(model, params, b["x"]) - b["y"]) ** 2).mean()
-
-    opt = ft.optim.sgd(0.1)
-    state = ft.TrainState.create(ft.params_of(model), opt)
+    mse, opt, state, batch = linear_mse(4)
     before = state.params.clone()
     step = SumAcross()(ft.train_step(mse, opt, donate=True))
     with warnings.catch_warnings():
