@@ -270,6 +270,7 @@ def adafactor(
 def _optimizers() -> types.MappingProxyType:
     from ftrain.optim.lamb import lamb
     from ftrain.optim.quantized import adamw8bit
+    from ftrain.optim.schedule_free import schedule_free_adamw
 
     return types.MappingProxyType(
         {
@@ -280,6 +281,7 @@ def _optimizers() -> types.MappingProxyType:
             "adafactor": adafactor,
             "adamw8bit": adamw8bit,
             "lamb": lamb,
+            "schedule_free_adamw": schedule_free_adamw,
         }
     )
 
