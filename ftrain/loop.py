@@ -195,7 +195,7 @@ def _train_steps(
             if n % cfg.log_every == 0 or n == cfg.max_steps:
                 report.metrics(n, metrics)
             if cfg.eval_every and n % cfg.eval_every == 0:
-                params = unshard(state.params)  # under fsdp a collective: every process
+                params = _eval_params(run, state)  # under sharding a collective: every process
                 if run.main:
                     report.validation(n, evaluate(recipe.model, params, recipe.valid, cfg))
             if cfg.save_every and n % cfg.save_every == 0 and n != cfg.max_steps:
@@ -254,6 +254,14 @@ class _Report:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def _eval_params(run: _Run, state: ft.TrainState):
+    """The whole params to evaluate and sample with (``gpt.eval_params``). Every process calls
+    it: the params are gathered, and the optimizer state too when the eval params need it."""
+    if run.cfg.optimizer in gpt.SCHEDULE_FREE:
+        return gpt.eval_params(run.cfg, unshard_state(state))
+    return unshard(state.params)
 
 
 def evaluate(model: torch.nn.Module, params, dataset, cfg: TrainConfig) -> float:
@@ -319,7 +327,7 @@ def _finish(run: _Run, state: ft.TrainState, report: _Report, interrupted: bool)
     """The summary; on rank 0 also the end-of-run outputs, or after a Ctrl-C how to continue."""
     seconds = time.perf_counter() - report.t0
     summary = {"step": int(state.step), "seconds": seconds, "out": str(run.out), **report.last}
-    params = unshard(state.params)  # whole params (under fsdp a collective: every process)
+    params = _eval_params(run, state)  # whole (under sharding a collective: every process)
     if not run.main:
         return summary
     if interrupted:

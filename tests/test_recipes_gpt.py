@@ -199,3 +199,31 @@ def test_sample_with_an_empty_prompt_is_unconditional(tmp_path, tiny_run, capsys
     model = ft.models.GPT(ft.models.GPTConfig(seq_len=8, d_model=16, n_layer=1, n_head=2)).eval()
     with pytest.raises(ValueError, match="T >= 1"):
         ft.models.generate(model, torch.zeros(1, 0, dtype=torch.long), 3)
+
+
+def test_schedule_free_trains_y_and_evaluates_and_samples_at_x(tmp_path, tiny_run, capsys):
+    """`--optimizer schedule_free_adamw`: its own warmup from --lr (no decay), checkpoints hold
+    the train params y and the state, validation and samples use x = (y - (1 - b1) z) / b1."""
+    import json
+
+    from ftrain.loop import evaluate
+
+    out = tmp_path / "run"
+    args = [*tiny_run, "--optimizer", "schedule_free_adamw", "--max-steps", "4", "--warmup", "2",
+            "--eval-every", "4", "--out", str(out)]  # fmt: skip
+    assert main(["train", *args]) == 0
+    cfg = _config(args)
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["lr"] for r in records if "lr" in r] == pytest.approx([cfg.lr / 2] + [cfg.lr] * 3)
+    state = ft.load(ft.latest_checkpoint(out))
+    y, z = state.params, state.opt_state["1", "z"]  # "0": the gradient clipping
+    x = gpt.eval_params(cfg, state)
+    for key, t in x.items(include_nested=True, leaves_only=True):
+        torch.testing.assert_close(t, (y[key] - 0.1 * z[key]) / 0.9, msg=str(key))
+    recipe = gpt.build(cfg, quiet=True)
+    val = [r["val_loss"] for r in records if "val_loss" in r]
+    assert val == [evaluate(recipe.model, x, recipe.valid, cfg)]
+    assert val[0] != evaluate(recipe.model, y, recipe.valid, cfg)
+    text = gpt.sample(out, "def ", 8, temperature=0.8, top_k=50)
+    assert text == gpt.sample_text(recipe.model, x, "def ", 8)
+    assert gpt.eval_params(_config(tiny_run), state) is y  # other optimizers: the train params

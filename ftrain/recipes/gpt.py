@@ -33,6 +33,7 @@ from ftrain.models import GPT, GPTConfig, generate
 
 __all__ = [
     "Recipe",
+    "SCHEDULE_FREE",
     "build",
     "build_data",
     "build_model",
@@ -40,6 +41,7 @@ __all__ = [
     "build_schedule",
     "build_step",
     "data_dir",
+    "eval_params",
     "make_loss_fn",
     "sample",
     "sample_text",
@@ -171,11 +173,18 @@ def build_schedule(cfg: TrainConfig) -> optim.Schedule:
 
 
 def build_optimizer(cfg: TrainConfig) -> optim.GradientTransformation:
-    """Clipping, then the chosen optimizer with weight decay on matrices only."""
-    schedule = build_schedule(cfg)
+    """Clipping, then the chosen optimizer with weight decay on matrices only.
+
+    An optimizer that takes ``warmup_steps`` (schedule-free) gets the peak ``cfg.lr`` and
+    ``cfg.warmup``: it needs no decay, so ``--lr-schedule`` and ``--decay-steps`` do not apply."""
     make = optim.OPTIMIZERS[cfg.optimizer]
     options = inspect.signature(make).parameters
     kwargs = {}
+    if "warmup_steps" in options:
+        kwargs["warmup_steps"] = cfg.warmup
+        schedule = cfg.lr
+    else:
+        schedule = build_schedule(cfg)
     if "weight_decay" in options:
         kwargs["weight_decay"] = cfg.weight_decay
     if "mask" in options:  # decoupled decay: matrices only, not biases or norms
@@ -184,6 +193,19 @@ def build_optimizer(cfg: TrainConfig) -> optim.GradientTransformation:
     if cfg.clip_grad:
         opt = optim.chain(optim.clip_by_global_norm(cfg.clip_grad), opt)
     return opt
+
+
+# The --optimizer names whose params to evaluate are not the trained ones (see eval_params).
+SCHEDULE_FREE = ("schedule_free_adamw",)
+
+
+def eval_params(cfg: TrainConfig, state: ft.TrainState):
+    """The params to evaluate, sample and export with: ``state.params``, or for a schedule-free
+    optimizer the average its state describes (``optim.schedule_free_eval_params``). Pure: the
+    state, which checkpoints keep as trained, is not changed. ``state`` must hold whole tensors."""
+    if cfg.optimizer in SCHEDULE_FREE:
+        return optim.schedule_free_eval_params(state.opt_state, state.params)
+    return state.params
 
 
 # -- the step ---------------------------------------------------------------------------------
@@ -253,7 +275,8 @@ def sample(
     seed: int = 0,
 ) -> str:
     """:func:`sample_text` from the newest valid checkpoint of the run folder ``run`` (or from the
-    checkpoint folder ``run``), with the model its saved settings describe."""
+    checkpoint folder ``run``), with the model its saved settings describe and the params
+    :func:`eval_params` gives."""
     run = Path(run)
     latest = ft.latest_checkpoint(run) if not (run / "meta.json").exists() else run
     if latest is None:
@@ -261,8 +284,8 @@ def sample(
     saved: dict[str, Any] = rundir.saved_config(ft.load_meta(latest))
     # Only this version's settings: a checkpoint written by another version may hold others.
     known = {f.name for f in dataclasses.fields(TrainConfig)} - {"config"}
-    model = build_model(TrainConfig(**{k: v for k, v in saved.items() if k in known}))
-    state = ft.load(latest)
+    cfg = TrainConfig(**{k: v for k, v in saved.items() if k in known})
+    model, params = build_model(cfg), eval_params(cfg, ft.load(latest))
     return sample_text(
-        model, state.params, prompt, max_new_tokens, temperature=temperature, top_k=top_k, seed=seed
+        model, params, prompt, max_new_tokens, temperature=temperature, top_k=top_k, seed=seed
     )
