@@ -224,3 +224,11 @@ def test_errors_name_the_fix():
         optim.schedule_free_adamw(LR, warmup_steps=-1)
     with pytest.raises(ValueError, match="b2 must be"):
         optim.schedule_free_adamw(LR, b2=1.0)
+
+
+def test_the_docstring_examples_run():
+    import doctest
+
+    import ftrain.optim.schedule_free as module
+
+    assert doctest.testmod(module).failed == 0

@@ -25,11 +25,7 @@ from ftrain.optim.base import (
 from ftrain.optim.factorized import scale_by_factored_rms, scale_by_param_block_rms
 from ftrain.optim.lamb import lamb, scale_by_trust_ratio
 from ftrain.optim.quantized import adamw8bit, scale_by_adam_8bit
-from ftrain.optim.schedule_free import (
-    schedule_free,
-    schedule_free_adamw,
-    schedule_free_eval_params,
-)
+from ftrain.optim.schedule_free import schedule_free_adamw, schedule_free_eval_params
 from ftrain.optim.schedules import (
     Schedule,
     constant,
@@ -93,7 +89,6 @@ __all__ = [
     "scale_by_param_block_rms",
     "scale_by_schedule",
     "scale_by_trust_ratio",
-    "schedule_free",
     "schedule_free_adamw",
     "schedule_free_eval_params",
     "schedules",
