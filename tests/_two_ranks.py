@@ -71,6 +71,7 @@ OPTIMIZERS = {
     "lion": lambda: ft.optim.lion(1e-4, weight_decay=0.1),
     "lamb": lambda: ft.optim.lamb(1e-3),
     "adamw8bit": lambda: ft.optim.adamw8bit(1e-3),
+    "schedule_free_adamw": lambda: ft.optim.schedule_free_adamw(1e-3, 1, weight_decay=0.1),
 }
 
 CONFIGS = {

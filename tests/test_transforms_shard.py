@@ -81,7 +81,7 @@ def test_adamw_with_clipping_and_decay_mask(two_ranks, references, strategy):
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("strategy", ["zero1", "zero2", "fsdp"])
 def test_other_optimizers_on_shards_match_ddp(two_ranks, name, strategy):
-    """lion and adamw8bit are elementwise (the same bits); lamb's per-tensor norms are sums over
+    """lion, adamw8bit and schedule_free_adamw are elementwise (the same bits); lamb's per-tensor norms are sums over
     shards (rounding)."""
     got, ddp = two_ranks[0]["optimizer", name, strategy], two_ranks[0]["optimizer", name, "ddp"]
     assert_close(got["params"], ddp["params"], 1e-6)
