@@ -24,6 +24,7 @@ from ftrain.optim.base import (
 )
 from ftrain.optim.factorized import scale_by_factored_rms, scale_by_param_block_rms
 from ftrain.optim.lamb import lamb, scale_by_trust_ratio
+from ftrain.optim.partition import partition
 from ftrain.optim.quantized import adamw8bit, scale_by_adam_8bit
 from ftrain.optim.schedules import (
     Schedule,
@@ -79,6 +80,7 @@ __all__ = [
     "linear_warmup",
     "lion",
     "masked",
+    "partition",
     "scale",
     "scale_by_adam",
     "scale_by_adam_8bit",
