@@ -23,6 +23,7 @@ from ftrain.optim.base import (
     stateless,
 )
 from ftrain.optim.factorized import scale_by_factored_rms, scale_by_param_block_rms
+from ftrain.optim.inject import inject_hyperparams, set_hyperparams
 from ftrain.optim.lamb import lamb, scale_by_trust_ratio
 from ftrain.optim.partition import partition
 from ftrain.optim.quantized import adamw8bit, scale_by_adam_8bit
@@ -72,6 +73,7 @@ __all__ = [
     "empty_state",
     "global_norm",
     "identity",
+    "inject_hyperparams",
     "inverse_sqrt",
     "join",
     "lamb",
@@ -91,6 +93,7 @@ __all__ = [
     "scale_by_schedule",
     "scale_by_trust_ratio",
     "schedules",
+    "set_hyperparams",
     "sgd",
     "state_bytes",
     "stateless",
