@@ -22,7 +22,6 @@ from ftrain import tree
 from ftrain.optim.base import GradientTransformation, LeafContext, leaf_update, leafwise
 from ftrain.optim.kernels import zero_count
 from ftrain.scoped import Scoped
-from ftrain.state import TrainState
 
 __all__ = ["inject_hyperparams", "set_hyperparams", "HYPERPARAM_DTYPE"]
 
@@ -57,9 +56,8 @@ def _injected(param: inspect.Parameter, value, static: set[str]) -> bool:
         return False
     if _declared_number(param):
         return False
-    if _is_number(value):  # an int for an int-valued option (a number of steps) stays static
-        return not (isinstance(value, int) and _is_number(param.default)
-                    and isinstance(param.default, int))  # fmt: skip
+    if _is_number(value):  # an int where the default is an int (a number of steps) shapes
+        return not (type(value) is int and type(param.default) is int)  # the optimizer: static
     if callable(value):  # a schedule, where a number is expected or nothing is said
         return param.default is param.empty or _is_number(param.default)
     return False
@@ -232,7 +230,8 @@ def set_hyperparams(state, **values):
     and device, so a compiled step runs on without recompiling. Setting a scheduled entry has no
     effect: the schedule sets it again at the next update.
     """
-    opt_state = state.opt_state if isinstance(state, TrainState) else state
+    whole = not isinstance(state, TensorDictBase)  # a TrainState (not imported: it imports optim)
+    opt_state = getattr(state, "opt_state", None) if whole else state
     if not isinstance(opt_state, TensorDictBase):
         raise TypeError(
             "set_hyperparams(state, **values): state must be an ft.TrainState or an optimizer "
@@ -263,4 +262,4 @@ def set_hyperparams(state, **values):
             new = new.expand(old.shape).clone()
         leaves[i] = new
     new_opt = tdef.unflatten(leaves)
-    return state.replace(opt_state=new_opt) if isinstance(state, TrainState) else new_opt
+    return state.replace(opt_state=new_opt) if whole else new_opt

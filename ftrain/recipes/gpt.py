@@ -43,6 +43,7 @@ __all__ = [
     "make_loss_fn",
     "sample",
     "sample_text",
+    "set_peak_lr",
 ]
 
 
@@ -171,8 +172,16 @@ def build_schedule(cfg: TrainConfig) -> optim.Schedule:
 
 
 def build_optimizer(cfg: TrainConfig) -> optim.GradientTransformation:
-    """Clipping, then the chosen optimizer with weight decay on matrices only."""
-    schedule = build_schedule(cfg)
+    """Clipping, then the chosen optimizer with weight decay on matrices only, its peak learning
+    rate injected (``optim.inject_hyperparams``).
+
+    The learning rate at step ``n`` is ``peak * shape(n)``: ``peak`` is a tensor of the optimizer
+    state, ``opt_state["hyperparams", "learning_rate"]`` (``cfg.lr`` at step 0), and ``shape`` is
+    :func:`build_schedule` with a peak of 1 (warmup, then the named decay). Setting the peak
+    (:func:`set_peak_lr`; ``ftrain train --resume --lr X`` does) rescales the rest of the
+    schedule from the next step on; the warmup and decay keep their lengths and their position.
+    """
+    shape = build_schedule(dataclasses.replace(cfg, lr=1.0))
     make = optim.OPTIMIZERS[cfg.optimizer]
     options = inspect.signature(make).parameters
     kwargs = {}
@@ -180,10 +189,20 @@ def build_optimizer(cfg: TrainConfig) -> optim.GradientTransformation:
         kwargs["weight_decay"] = cfg.weight_decay
     if "mask" in options:  # decoupled decay: matrices only, not biases or norms
         kwargs["mask"] = optim.decay_mask
-    opt = make(schedule, **kwargs)
-    if cfg.clip_grad:
-        opt = optim.chain(optim.clip_by_global_norm(cfg.clip_grad), opt)
-    return opt
+
+    def with_peak(learning_rate: optim.Schedule) -> optim.GradientTransformation:
+        opt = make(lambda n: learning_rate(n) * shape(n), **kwargs)
+        if cfg.clip_grad:
+            opt = optim.chain(optim.clip_by_global_norm(cfg.clip_grad), opt)
+        return opt
+
+    return optim.inject_hyperparams(with_peak)(learning_rate=cfg.lr)
+
+
+def set_peak_lr(state: ft.TrainState, lr: float) -> ft.TrainState:
+    """``state`` with the peak learning rate of :func:`build_optimizer`'s optimizer set to ``lr``
+    (used from the next step on; ``state`` is left as it was)."""
+    return optim.set_hyperparams(state, learning_rate=lr)
 
 
 # -- the step ---------------------------------------------------------------------------------
