@@ -67,7 +67,7 @@ class TrainConfig:
     shard: str = _f("none", "data parallelism under torchrun", choices=SHARD_STRATEGIES)
     # -- optimizer ------------------------------------------------------------------------------
     optimizer: str = _f("adamw", "optimizer (ftrain.optim alias)")
-    lr: float = _f(3e-3, "peak learning rate")
+    lr: float = _f(3e-3, "peak learning rate (with --resume: the new peak from the next step)")
     lr_schedule: str = _f("cosine", "learning-rate schedule", choices=SCHEDULES)
     warmup: int = _f(50, "warmup steps")
     decay_steps: int | None = _f(

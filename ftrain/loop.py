@@ -122,15 +122,39 @@ def _restore(run: _Run) -> tuple[ft.TrainState, int]:
             print(f"ftrain train: --resume: no checkpoint in {run.out}; starting from step 0")
         return state, 0
     meta = ft.load_meta(latest)
+    saved = rundir.saved_config(meta)
     _check_world_size(meta, run.world)
-    _check_resumed_config(cfg, rundir.saved_config(meta), run.main)
-    state = ft.load(latest, like=state)  # whole tensors: the caller lays them out
+    _check_resumed_config(cfg, saved, run.main)
+    state = _load_state(latest, meta, state, saved)  # whole tensors: the caller lays them out
+    if "lr" in saved and saved["lr"] != cfg.lr:
+        state = gpt.set_peak_lr(state, cfg.lr)
+        if run.main:
+            print(
+                f"ftrain train: --resume: --lr {saved['lr']!r} -> {cfg.lr!r}: the optimizer "
+                f"continues with peak learning rate {cfg.lr!r} (its schedule keeps its shape and "
+                "position)",
+                file=sys.stderr,
+            )
     extra = meta["extra"]
     run.recipe.loader.load_state_dict(extra.get("loaders", [extra["loader"]])[run.rank])
     start = int(state.step)
     if run.main:
         print(f"ftrain train: resumed from {latest} (step {start})")
     return state, start
+
+
+def _load_state(latest: Path, meta: dict, like: ft.TrainState, saved: dict) -> ft.TrainState:
+    """The checkpoint's state. A checkpoint written before the recipe injected its peak learning
+    rate holds the optimizer's state without the ``inject_hyperparams`` layer: it is loaded as
+    that inner state and wrapped, with the peak it was trained with."""
+    if "hyperparams" in meta["tree"]["opt_state"]:
+        return ft.load(latest, like=like)
+    inner = ft.load(latest, like=like.replace(opt_state=like.opt_state["inner_state"]))
+    opt_state = like.opt_state.clone()
+    opt_state["count"] = inner.step.clone()  # the updates applied so far
+    opt_state["hyperparams", "learning_rate"].fill_(saved.get("lr", 0.0))
+    opt_state["inner_state"] = inner.opt_state
+    return inner.replace(opt_state=opt_state)
 
 
 def _check_world_size(meta: dict, world: int) -> None:
@@ -173,7 +197,8 @@ def _check_resumed_config(cfg: TrainConfig, saved: dict[str, Any], main: bool) -
             file=sys.stderr,
         )
         raise SystemExit(2)
-    changed = [f"--{flag_name(k)} {a!r} -> {b!r}" for k, (a, b) in diff.items()]
+    # A changed --lr is set in the optimizer state, and said so, by _restore.
+    changed = [f"--{flag_name(k)} {a!r} -> {b!r}" for k, (a, b) in diff.items() if k != "lr"]
     if changed and main:
         print(
             f"ftrain train: note: --resume with changed settings: {', '.join(changed)}",

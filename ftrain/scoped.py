@@ -23,6 +23,15 @@ __all__ = ["Scoped"]
 T = TypeVar("T")
 
 
+class _Local(threading.local):
+    """One thread's value. Every thread starts with the default already set, so ``get`` reads an
+    attribute that is always there: dynamo guards on its value, not on whether it exists (which
+    changes after the first ``using`` block on a thread and would recompile the step)."""
+
+    def __init__(self, default):
+        self.value = default
+
+
 class Scoped(Generic[T]):
     """A value visible to the code running inside :meth:`using` on the same thread.
 
@@ -32,12 +41,11 @@ class Scoped(Generic[T]):
 
     def __init__(self, name: str, default: T):
         self.name = name
-        self._default = default
-        self._local = threading.local()
+        self._local = _Local(default)
 
     def get(self) -> T:
         """The value set by the innermost enclosing :meth:`using` on this thread, or the default."""
-        return getattr(self._local, "value", self._default)
+        return self._local.value
 
     def using(self, value: T) -> _Using[T]:
         """A context manager that sets the value for its extent (nested blocks nest)."""

@@ -140,6 +140,36 @@ def test_resume_refuses_changed_model_and_notes_other_changes(tmp_path, tiny_run
     assert "--lr 0.003 -> 0.001" in err and "--max-steps 2 -> 3" in err
 
 
+def test_resume_with_a_new_lr_continues_with_it(tmp_path, tiny_run, capsys):
+    """--resume --lr X sets the peak learning rate held in the optimizer state: from the resumed
+    step on, the logged lr (peak x the schedule's shape) is that of a run trained with X from the
+    start, and one line on stderr says so. A checkpoint written before the peak was injected
+    (the optimizer state without its `hyperparams` layer) resumes the same way."""
+    common = [*tiny_run, "--warmup", "2", "--decay-steps", "6", "--save-every", "2"]
+    a, b, old = tmp_path / "a", tmp_path / "b", tmp_path / "old"
+    assert main(["train", *common, "--max-steps", "4", "--out", str(a), "--lr", "0.001"]) == 0
+    assert main(["train", *common, "--max-steps", "2", "--out", str(b)]) == 0  # --lr 0.003
+    state = ft.load(ft.latest_checkpoint(b))
+    extra = ft.load_meta(ft.latest_checkpoint(b))["extra"]
+    before = state.replace(opt_state=state.opt_state["inner_state"])
+    ft.save_checkpoint(old, before, extra=extra)
+    capsys.readouterr()
+    assert main(["train", *common, "--max-steps", "4", "--out", str(b), "--resume",
+                 "--lr", "0.001"]) == 0  # fmt: skip
+    err = capsys.readouterr().err
+    assert "--resume: --lr 0.003 -> 0.001: the optimizer continues with peak learning rate" in err
+    assert err.count("--lr 0.003 -> 0.001") == 1  # said once, not also in the note
+    lr = {d: [json.loads(x)["lr"] for x in (d / "metrics.jsonl").read_text().splitlines()]
+          for d in (a, b)}  # fmt: skip
+    assert lr[b][2:] == lr[a][2:] and lr[b][1] == pytest.approx(3 * lr[a][1], rel=1e-6)
+    assert float(ft.load(ft.latest_checkpoint(b)).opt_state["hyperparams", "learning_rate"]) == 1e-3
+    assert main(["train", *common, "--max-steps", "4", "--out", str(old), "--resume",
+                 "--lr", "0.001"]) == 0  # fmt: skip
+    ta, told = _flat(b), _flat(old)
+    for k in ta.keys():
+        assert torch.equal(ta[k], told[k]), k
+
+
 def test_resume_without_a_checkpoint_starts_from_step_0(tmp_path, tiny_run, capsys):
     out = tmp_path / "run"
     assert main(["train", *tiny_run, "--max-steps", "2", "--out", str(out), "--resume"]) == 0

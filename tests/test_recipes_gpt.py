@@ -216,7 +216,7 @@ def test_schedule_free_trains_y_and_evaluates_and_samples_at_x(tmp_path, tiny_ru
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["lr"] for r in records if "lr" in r] == pytest.approx([cfg.lr / 2] + [cfg.lr] * 3)
     state = ft.load(ft.latest_checkpoint(out))
-    y, z = state.params, state.opt_state["1", "z"]  # "0": the gradient clipping
+    y, z = state.params, state.opt_state["inner_state", "1", "z"]  # "0": the gradient clipping
     x = gpt.eval_params(cfg, state)
     for key, t in x.items(include_nested=True, leaves_only=True):
         torch.testing.assert_close(t, (y[key] - 0.1 * z[key]) / 0.9, msg=str(key))

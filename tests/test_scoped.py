@@ -60,3 +60,23 @@ def test_each_thread_sees_its_own_value():
     for n in ("a", "b"):
         assert seen[n, "before"] == seen[n, "after"] == "default"  # not main's value
         assert seen[n, "inside"] == n
+
+
+def test_a_compiled_function_reading_it_does_not_recompile_after_its_first_block():
+    """Leaving the first block on a thread must not change what dynamo guarded on (whether the
+    thread's value exists), or the second call of a compiled step recompiles."""
+    import torch
+
+    from ftrain import dynamo
+
+    v = Scoped("v", None)
+
+    @torch.compile(backend="eager")
+    def f(x):
+        with v.using(x * 2):
+            return v.get() + 1
+
+    assert float(f(torch.tensor(1.0))) == 3.0
+    with dynamo.error_on_recompile():
+        assert float(f(torch.tensor(2.0))) == 5.0
+    assert v.get() is None

@@ -23,7 +23,9 @@ from ftrain.optim.base import (
     stateless,
 )
 from ftrain.optim.factorized import scale_by_factored_rms, scale_by_param_block_rms
+from ftrain.optim.inject import inject_hyperparams, set_hyperparams
 from ftrain.optim.lamb import lamb, scale_by_trust_ratio
+from ftrain.optim.partition import partition
 from ftrain.optim.quantized import adamw8bit, scale_by_adam_8bit
 from ftrain.optim.schedule_free import schedule_free_adamw, schedule_free_eval_params
 from ftrain.optim.schedules import (
@@ -72,6 +74,7 @@ __all__ = [
     "empty_state",
     "global_norm",
     "identity",
+    "inject_hyperparams",
     "inverse_sqrt",
     "join",
     "lamb",
@@ -80,6 +83,7 @@ __all__ = [
     "linear_warmup",
     "lion",
     "masked",
+    "partition",
     "scale",
     "scale_by_adam",
     "scale_by_adam_8bit",
@@ -92,6 +96,7 @@ __all__ = [
     "schedule_free_adamw",
     "schedule_free_eval_params",
     "schedules",
+    "set_hyperparams",
     "sgd",
     "state_bytes",
     "stateless",

@@ -45,6 +45,7 @@ __all__ = [
     "make_loss_fn",
     "sample",
     "sample_text",
+    "set_peak_lr",
 ]
 
 
@@ -173,26 +174,43 @@ def build_schedule(cfg: TrainConfig) -> optim.Schedule:
 
 
 def build_optimizer(cfg: TrainConfig) -> optim.GradientTransformation:
-    """Clipping, then the chosen optimizer with weight decay on matrices only.
+    """Clipping, then the chosen optimizer with weight decay on matrices only, its peak learning
+    rate injected (``optim.inject_hyperparams``).
 
-    An optimizer that takes ``warmup_steps`` (schedule-free) gets the peak ``cfg.lr`` and
-    ``cfg.warmup``: it needs no decay, so ``--lr-schedule`` and ``--decay-steps`` do not apply."""
+    The learning rate at step ``n`` is ``peak * shape(n)``: ``peak`` is a tensor of the optimizer
+    state, ``opt_state["hyperparams", "learning_rate"]`` (``cfg.lr`` at step 0), and ``shape`` is
+    :func:`build_schedule` with a peak of 1 (warmup, then the named decay). Setting the peak
+    (:func:`set_peak_lr`; ``ftrain train --resume --lr X`` does) rescales the rest of the
+    schedule from the next step on; the warmup and decay keep their lengths and their position.
+    An optimizer that takes ``warmup_steps`` (schedule-free) warms up itself and needs no decay:
+    its shape is 1, and ``--lr-schedule`` and ``--decay-steps`` do not apply.
+    """
     make = optim.OPTIMIZERS[cfg.optimizer]
     options = inspect.signature(make).parameters
     kwargs = {}
     if "warmup_steps" in options:
         kwargs["warmup_steps"] = cfg.warmup
-        schedule = cfg.lr
+        shape = optim.constant(1.0)
     else:
-        schedule = build_schedule(cfg)
+        shape = build_schedule(dataclasses.replace(cfg, lr=1.0))
     if "weight_decay" in options:
         kwargs["weight_decay"] = cfg.weight_decay
     if "mask" in options:  # decoupled decay: matrices only, not biases or norms
         kwargs["mask"] = optim.decay_mask
-    opt = make(schedule, **kwargs)
-    if cfg.clip_grad:
-        opt = optim.chain(optim.clip_by_global_norm(cfg.clip_grad), opt)
-    return opt
+
+    def with_peak(learning_rate: optim.Schedule) -> optim.GradientTransformation:
+        opt = make(lambda n: learning_rate(n) * shape(n), **kwargs)
+        if cfg.clip_grad:
+            opt = optim.chain(optim.clip_by_global_norm(cfg.clip_grad), opt)
+        return opt
+
+    return optim.inject_hyperparams(with_peak)(learning_rate=cfg.lr)
+
+
+def set_peak_lr(state: ft.TrainState, lr: float) -> ft.TrainState:
+    """``state`` with the peak learning rate of :func:`build_optimizer`'s optimizer set to ``lr``
+    (used from the next step on; ``state`` is left as it was)."""
+    return optim.set_hyperparams(state, learning_rate=lr)
 
 
 # The --optimizer names whose params to evaluate are not the trained ones (see eval_params).
