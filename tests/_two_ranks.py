@@ -63,6 +63,10 @@ def adafactor():
     return ft.optim.adafactor(1e-2, weight_decay=0.1)
 
 
+def muon():
+    return ft.optim.muon_adamw(0.02, weight_decay=0.1, mask=ft.optim.decay_mask)
+
+
 def composed(step, micro_batches):
     return ft.accumulate(ft.checkpoint(ft.autocast(step, torch.bfloat16)), micro_batches)
 
@@ -174,7 +178,15 @@ def on_two_ranks(tmp: str) -> dict:
             state, _ = run(step, state, data[:2], rank)
             out["optimizer", name, strategy] = whole(unshard_state(state))
 
-    # 5. fp16 loss scaling: the same as ddp; an overflow is skipped on every rank
+    # 5. muon_adamw: Newton-Schulz needs whole matrices (mlp.fc's 33 rows split 17/16)
+    for strategy in STRATEGIES:
+        model, opt = gpt(d_ff=33), muon()
+        step = shard(ft.train_step(lm_loss(model), opt), strategy)
+        state = shard_state(ft.TrainState.create(ft.params_of(model), opt), strategy)
+        state, _ = run(step, state, data, rank)
+        out["muon", strategy] = {"layouts": layouts(state.opt_state), **whole(unshard_state(state))}
+
+    # 6. fp16 loss scaling: the same as ddp; an overflow is skipped on every rank
     for strategy in STRATEGIES:
         model = gpt()
         step = shard(ft.autocast(ft.train_step(lm_loss(model), sgd()), torch.float16), strategy)
@@ -196,7 +208,7 @@ def on_two_ranks(tmp: str) -> dict:
             whole(unshard_state(after)),
         )
 
-    # 6. mistakes that are caught
+    # 7. mistakes that are caught
     errors = {}
     model = gpt()
     plain = ft.TrainState.create(ft.params_of(model), sgd())

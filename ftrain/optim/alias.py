@@ -269,6 +269,7 @@ def adafactor(
 
 def _optimizers() -> types.MappingProxyType:
     from ftrain.optim.lamb import lamb
+    from ftrain.optim.muon import muon_adamw
     from ftrain.optim.quantized import adamw8bit
 
     return types.MappingProxyType(
@@ -280,6 +281,7 @@ def _optimizers() -> types.MappingProxyType:
             "adafactor": adafactor,
             "adamw8bit": adamw8bit,
             "lamb": lamb,
+            "muon": muon_adamw,  # Muon for hidden matrices needs AdamW for the rest
         }
     )
 

@@ -28,11 +28,10 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from ftrain import tree
-from ftrain.optim.alias import adamw
 from ftrain.optim.base import GradientTransformation, chain, empty_state, leafwise, masked
 from ftrain.optim.kernels import check_same_keys, mul
 from ftrain.optim.schedules import Schedule
-from ftrain.optim.transforms import add_decayed_weights, scale_by_learning_rate
+from ftrain.optim.transforms import add_decayed_weights, scale_by_adam, scale_by_learning_rate
 
 __all__ = [
     "NS_COEFFICIENTS",
@@ -428,5 +427,10 @@ def muon_adamw(
         adjust_lr_fn=adjust_lr_fn,
     )
     lr = learning_rate if adamw_learning_rate is None else adamw_learning_rate
-    rest = adamw(lr, b1, b2, eps, weight_decay, _within(mask))
+    # optim.adamw's chain, written out: alias.py imports this module for OPTIMIZERS
+    rest = chain(
+        scale_by_adam(b1, b2, eps),
+        add_decayed_weights(weight_decay, _within(mask)),
+        scale_by_learning_rate(lr),
+    )
     return chain(masked(hidden, _selects(labels, "muon")), masked(rest, _selects(labels, "adamw")))
