@@ -16,6 +16,7 @@ import ftrain as ft
 from ftrain import tree
 from ftrain.distributed import (
     STRATEGIES,
+    default_mesh,
     init,
     local_bytes,
     rank_and_world,
@@ -23,6 +24,7 @@ from ftrain.distributed import (
     track_gathered,
     unshard_state,
 )
+from ftrain.distributed.dtensor import dtensor
 from ftrain.transforms import StaticLossScale, shard
 
 from _tiny import lm_batch, lm_loss, tiny_gpt
@@ -185,6 +187,15 @@ def on_two_ranks(tmp: str) -> dict:
         state = shard_state(ft.TrainState.create(ft.params_of(model), opt), strategy)
         state, _ = run(step, state, data, rank)
         out["muon", strategy] = {"layouts": layouts(state.opt_state), **whole(unshard_state(state))}
+    # other layouts than ft.shard's (columns split, replicated): Newton-Schulz of the whole matrix
+    d = dtensor()
+    mesh = default_mesh()
+    g = torch.randn(5, 7, generator=torch.Generator().manual_seed(3))
+    ortho = ft.optim.orthogonalize()
+    for placement in (d.Shard(1), d.Replicate()):
+        u = tree.from_flat({"w": d.distribute_tensor(g, mesh, [placement])})
+        got = ortho.update(u, ortho.init(u))[0]["w"]
+        out["muon", str(placement)] = (got.placements, got.full_tensor())
 
     # 6. fp16 loss scaling: the same as ddp; an overflow is skipped on every rank
     for strategy in STRATEGIES:

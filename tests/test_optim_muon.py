@@ -324,3 +324,14 @@ def test_sharded_muon_equals_ddp(two_ranks, strategy):
             for k in ddp[part]:
                 assert max_rel_error(got[part][k], ddp[part][k]) <= 1e-6, (part, k)
         assert got["layouts"] == {"(Shard(dim=0),)"}  # the state stayed sharded
+
+
+def test_other_layouts_are_orthogonalized_whole(two_ranks):
+    """Columns split across ranks, or replicated: the result is Newton–Schulz of the whole matrix,
+    laid out as the update came in."""
+    want = optim.newton_schulz(torch.randn(5, 7, generator=torch.Generator().manual_seed(3)))
+    for r in two_ranks:
+        for placement in ("S(1)", "R"):
+            placements, got = r["muon", placement]
+            assert str(placements[0]) == placement
+            assert torch.equal(got, want.float())

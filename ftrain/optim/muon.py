@@ -167,10 +167,15 @@ def _whole_bf16(u: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def _laid_out_like(o: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """``o`` (whole and plain, the same on every rank) laid out as the DTensor ``like``: each rank
-    keeps its part, no traffic (``Replicate`` to ``Shard`` is a local split)."""
+    keeps its part, no traffic."""
+    from ftrain.distributed.collectives import as_sharded
+    from ftrain.distributed.dtensor import placements_of
+
+    if tuple(like.placements) == placements_of(like):  # ft.shard's layout: this rank's rows
+        return as_sharded(o, like.device_mesh, copy=False)
     from torch.distributed.tensor import DTensor, Replicate
 
-    mesh = like.device_mesh
+    mesh = like.device_mesh  # any other layout: Replicate to it is a local split
     whole = DTensor.from_local(o, mesh, [Replicate()] * mesh.ndim, run_check=False)
     return whole.redistribute(mesh, like.placements)
 
