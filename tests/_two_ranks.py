@@ -16,6 +16,7 @@ import ftrain as ft
 from ftrain import tree
 from ftrain.distributed import (
     STRATEGIES,
+    default_mesh,
     init,
     local_bytes,
     rank_and_world,
@@ -23,6 +24,7 @@ from ftrain.distributed import (
     track_gathered,
     unshard_state,
 )
+from ftrain.distributed.dtensor import dtensor
 from ftrain.transforms import StaticLossScale, shard
 
 from _tiny import lm_batch, lm_loss, tiny_gpt
@@ -61,6 +63,10 @@ def adamw():
 
 def adafactor():
     return ft.optim.adafactor(1e-2, weight_decay=0.1)
+
+
+def muon():
+    return ft.optim.muon_adamw(0.02, weight_decay=0.1, mask=ft.optim.decay_mask)
 
 
 def composed(step, micro_batches):
@@ -175,7 +181,24 @@ def on_two_ranks(tmp: str) -> dict:
             state, _ = run(step, state, data[:2], rank)
             out["optimizer", name, strategy] = whole(unshard_state(state))
 
-    # 5. fp16 loss scaling: the same as ddp; an overflow is skipped on every rank
+    # 5. muon_adamw: Newton-Schulz needs whole matrices (mlp.fc's 33 rows split 17/16)
+    for strategy in STRATEGIES:
+        model, opt = gpt(d_ff=33), muon()
+        step = shard(ft.train_step(lm_loss(model), opt), strategy)
+        state = shard_state(ft.TrainState.create(ft.params_of(model), opt), strategy)
+        state, _ = run(step, state, data, rank)
+        out["muon", strategy] = {"layouts": layouts(state.opt_state), **whole(unshard_state(state))}
+    # other layouts than ft.shard's (columns split, replicated): Newton-Schulz of the whole matrix
+    d = dtensor()
+    mesh = default_mesh()
+    g = torch.randn(5, 7, generator=torch.Generator().manual_seed(3))
+    ortho = ft.optim.orthogonalize()
+    for placement in (d.Shard(1), d.Replicate()):
+        u = tree.from_flat({"w": d.distribute_tensor(g, mesh, [placement])})
+        got = ortho.update(u, ortho.init(u))[0]["w"]
+        out["muon", str(placement)] = (got.placements, got.full_tensor())
+
+    # 6. fp16 loss scaling: the same as ddp; an overflow is skipped on every rank
     for strategy in STRATEGIES:
         model = gpt()
         step = shard(ft.autocast(ft.train_step(lm_loss(model), sgd()), torch.float16), strategy)
@@ -197,7 +220,7 @@ def on_two_ranks(tmp: str) -> dict:
             whole(unshard_state(after)),
         )
 
-    # 6. mistakes that are caught
+    # 7. mistakes that are caught
     errors = {}
     model = gpt()
     plain = ft.TrainState.create(ft.params_of(model), sgd())

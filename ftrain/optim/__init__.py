@@ -25,6 +25,17 @@ from ftrain.optim.base import (
 from ftrain.optim.factorized import scale_by_factored_rms, scale_by_param_block_rms
 from ftrain.optim.inject import inject_hyperparams, set_hyperparams
 from ftrain.optim.lamb import lamb, scale_by_trust_ratio
+from ftrain.optim.muon import (
+    NOT_HIDDEN,
+    NS_COEFFICIENTS,
+    ema_momentum,
+    muon,
+    muon_adamw,
+    muon_labels,
+    newton_schulz,
+    orthogonalize,
+    scale_by_shape,
+)
 from ftrain.optim.partition import partition
 from ftrain.optim.quantized import adamw8bit, scale_by_adam_8bit
 from ftrain.optim.schedule_free import schedule_free_adamw, schedule_free_eval_params
@@ -56,6 +67,8 @@ from ftrain.optim.updates import apply_updates
 
 __all__ = [
     "GradientTransformation",
+    "NOT_HIDDEN",
+    "NS_COEFFICIENTS",
     "OPTIMIZERS",
     "Schedule",
     "adafactor",
@@ -71,6 +84,7 @@ __all__ = [
     "constant",
     "cosine_decay",
     "decay_mask",
+    "ema_momentum",
     "empty_state",
     "global_norm",
     "identity",
@@ -84,6 +98,11 @@ __all__ = [
     "lion",
     "masked",
     "partition",
+    "muon",
+    "muon_adamw",
+    "muon_labels",
+    "newton_schulz",
+    "orthogonalize",
     "scale",
     "scale_by_adam",
     "scale_by_adam_8bit",
@@ -92,6 +111,7 @@ __all__ = [
     "scale_by_lion",
     "scale_by_param_block_rms",
     "scale_by_schedule",
+    "scale_by_shape",
     "scale_by_trust_ratio",
     "schedule_free_adamw",
     "schedule_free_eval_params",

@@ -269,6 +269,7 @@ def adafactor(
 
 def _optimizers() -> types.MappingProxyType:
     from ftrain.optim.lamb import lamb
+    from ftrain.optim.muon import muon_adamw
     from ftrain.optim.quantized import adamw8bit
     from ftrain.optim.schedule_free import schedule_free_adamw
 
@@ -282,6 +283,7 @@ def _optimizers() -> types.MappingProxyType:
             "adamw8bit": adamw8bit,
             "lamb": lamb,
             "schedule_free_adamw": schedule_free_adamw,
+            "muon": muon_adamw,  # Muon for hidden matrices needs AdamW for the rest
         }
     )
 
