@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
-import functools
-import inspect
 import types
 
 import torch
@@ -12,6 +9,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from ftrain import tree
 from ftrain.optim.base import GradientTransformation, chain
+from ftrain.optim.checks import check_lr, check_range, checked
 from ftrain.optim.factorized import scale_by_factored_rms, scale_by_param_block_rms
 from ftrain.optim.schedules import Schedule, as_schedule
 from ftrain.optim.transforms import (
@@ -25,53 +23,6 @@ from ftrain.optim.transforms import (
 )
 
 __all__ = ["sgd", "adam", "adamw", "lion", "adafactor", "decay_mask", "OPTIMIZERS"]
-
-# Names other libraries use for an option, and how to say it here.
-_HINTS = {
-    "betas": "ftrain takes the betas separately: b1=..., b2=....",
-    "lr": "ftrain calls it learning_rate=....",
-    "beta2_decay": "ftrain calls it decay_rate and takes it positive: decay_rate=0.8 is "
-    "torch's beta2_decay=-0.8.",
-    "eps": "adafactor takes its two epsilons separately: eps1=..., eps2=....",
-    "d": "ftrain calls it clipping_threshold=....",
-    "foreach": "ftrain's optimizers are always multi-tensor; drop the option.",
-    "fused": "ftrain's optimizers are always multi-tensor; drop the option.",
-    "maximize": "negate the loss instead.",
-}
-
-
-def _checked(fn):
-    """Turn an unknown keyword into an error that lists the legal ones and the closest match."""
-    sig = inspect.signature(fn)
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        unknown = [k for k in kwargs if k not in sig.parameters]
-        if unknown:
-            k = unknown[0]
-            close = difflib.get_close_matches(k, list(sig.parameters), n=2)
-            hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-            if k in _HINTS and not (k == "eps" and "eps" in sig.parameters):
-                hint = " " + _HINTS[k]
-            raise TypeError(
-                f"optim.{fn.__name__}: unknown option {k!r}.{hint} "
-                f"Options: {', '.join(sig.parameters)}."
-            )
-        return fn(*args, **kwargs)
-
-    return wrapper
-
-
-def _check_range(fn: str, name: str, value: float, lo: float, hi: float | None = None) -> None:
-    bad = not isinstance(value, (int, float)) or isinstance(value, bool)
-    if bad or value < lo or (hi is not None and value >= hi) or value != value:
-        rng = f"in [{lo}, {hi})" if hi is not None else f">= {lo}"
-        raise ValueError(f"optim.{fn}: {name} must be a number {rng}, got {value!r}.")
-
-
-def _check_lr(fn: str, lr) -> None:
-    if not callable(lr):
-        _check_range(fn, "learning_rate", lr, 0.0)
 
 
 def decay_mask(params: TensorDictBase) -> TensorDict:
@@ -90,7 +41,7 @@ def decay_mask(params: TensorDictBase) -> TensorDict:
     return tdef.unflatten([torch.tensor(v.dim() >= 2) for v in values])
 
 
-@_checked
+@checked
 def sgd(
     learning_rate=1e-2,
     momentum: float = 0.0,
@@ -107,9 +58,9 @@ def sgd(
     (dampening 0): 50 steps of a small transformer agree to 1e-6 relative
     (``tests/test_optim.py``).
     """
-    _check_lr("sgd", learning_rate)
-    _check_range("sgd", "momentum", momentum, 0.0, 1.0)
-    _check_range("sgd", "weight_decay", weight_decay, 0.0)
+    check_lr("sgd", learning_rate)
+    check_range("sgd", "momentum", momentum, 0.0, 1.0)
+    check_range("sgd", "weight_decay", weight_decay, 0.0)
     if nesterov and momentum == 0:
         raise ValueError("optim.sgd: nesterov=True needs momentum > 0.")
     parts = []
@@ -121,7 +72,7 @@ def sgd(
     return chain(*parts)
 
 
-@_checked
+@checked
 def adam(
     learning_rate=1e-3,
     b1: float = 0.9,
@@ -138,16 +89,16 @@ def adam(
     step agrees to 1e-6 relative; over 50 steps, ftrain stays as close to torch's foreach Adam as
     torch's fused Adam does (Adam amplifies 1-ulp differences; ``tests/test_optim.py``).
     """
-    _check_lr("adam", learning_rate)
-    _check_range("adam", "b1", b1, 0.0, 1.0)
-    _check_range("adam", "b2", b2, 0.0, 1.0)
-    _check_range("adam", "eps", eps, 0.0)
-    _check_range("adam", "weight_decay", weight_decay, 0.0)
+    check_lr("adam", learning_rate)
+    check_range("adam", "b1", b1, 0.0, 1.0)
+    check_range("adam", "b2", b2, 0.0, 1.0)
+    check_range("adam", "eps", eps, 0.0)
+    check_range("adam", "weight_decay", weight_decay, 0.0)
     parts = [add_decayed_weights(weight_decay, mask)] if weight_decay else []
     return chain(*parts, scale_by_adam(b1, b2, eps), scale_by_learning_rate(learning_rate))
 
 
-@_checked
+@checked
 def adamw(
     learning_rate=1e-3,
     b1: float = 0.9,
@@ -177,11 +128,11 @@ def adamw(
     >>> torch.allclose(decay, params["weight"], atol=1e-3)
     True
     """
-    _check_lr("adamw", learning_rate)
-    _check_range("adamw", "b1", b1, 0.0, 1.0)
-    _check_range("adamw", "b2", b2, 0.0, 1.0)
-    _check_range("adamw", "eps", eps, 0.0)
-    _check_range("adamw", "weight_decay", weight_decay, 0.0)
+    check_lr("adamw", learning_rate)
+    check_range("adamw", "b1", b1, 0.0, 1.0)
+    check_range("adamw", "b2", b2, 0.0, 1.0)
+    check_range("adamw", "eps", eps, 0.0)
+    check_range("adamw", "weight_decay", weight_decay, 0.0)
     return chain(
         scale_by_adam(b1, b2, eps),
         add_decayed_weights(weight_decay, mask),
@@ -189,7 +140,7 @@ def adamw(
     )
 
 
-@_checked
+@checked
 def lion(
     learning_rate=1e-4,
     b1: float = 0.9,
@@ -201,10 +152,10 @@ def lion(
 
     Use a learning rate 3-10x smaller than AdamW's and a weight decay 3-10x larger.
     """
-    _check_lr("lion", learning_rate)
-    _check_range("lion", "b1", b1, 0.0, 1.0)
-    _check_range("lion", "b2", b2, 0.0, 1.0)
-    _check_range("lion", "weight_decay", weight_decay, 0.0)
+    check_lr("lion", learning_rate)
+    check_range("lion", "b1", b1, 0.0, 1.0)
+    check_range("lion", "b2", b2, 0.0, 1.0)
+    check_range("lion", "weight_decay", weight_decay, 0.0)
     return chain(
         scale_by_lion(b1, b2),
         add_decayed_weights(weight_decay, mask),
@@ -223,7 +174,7 @@ def _relative_step(learning_rate: Schedule) -> Schedule:
     return schedule
 
 
-@_checked
+@checked
 def adafactor(
     learning_rate=1e-2,
     decay_rate: float = 0.8,
@@ -249,13 +200,13 @@ def adafactor(
     group's ``lr``. ``eps1=None`` is the dtype's machine epsilon. Optimizer memory for a
     ``(R, C)`` matrix is ``R + C`` numbers.
     """
-    _check_lr("adafactor", learning_rate)
-    _check_range("adafactor", "decay_rate", decay_rate, 0.0)
+    check_lr("adafactor", learning_rate)
+    check_range("adafactor", "decay_rate", decay_rate, 0.0)
     if eps1 is not None:
-        _check_range("adafactor", "eps1", eps1, 0.0)
-    _check_range("adafactor", "eps2", eps2, 0.0)
-    _check_range("adafactor", "clipping_threshold", clipping_threshold, 1.0)
-    _check_range("adafactor", "weight_decay", weight_decay, 0.0)
+        check_range("adafactor", "eps1", eps1, 0.0)
+    check_range("adafactor", "eps2", eps2, 0.0)
+    check_range("adafactor", "clipping_threshold", clipping_threshold, 1.0)
+    check_range("adafactor", "weight_decay", weight_decay, 0.0)
     schedule = as_schedule(learning_rate)
     return chain(
         scale_by_factored_rms(decay_rate, eps1),

@@ -7,6 +7,7 @@ import torch
 
 from ftrain import tree
 from ftrain.optim.base import GradientTransformation, chain, empty_state
+from ftrain.optim.checks import check_lr, check_range, checked
 from ftrain.optim.transforms import add_decayed_weights, scale_by_adam, scale_by_learning_rate
 
 __all__ = ["scale_by_trust_ratio", "lamb"]
@@ -33,6 +34,7 @@ def scale_by_trust_ratio(min_norm: float = 0.0) -> GradientTransformation:
     return GradientTransformation(lambda params: empty_state(), update)
 
 
+@checked
 def lamb(
     learning_rate=1e-3,
     b1: float = 0.9,
@@ -43,6 +45,11 @@ def lamb(
 ) -> GradientTransformation:
     """LAMB = ``chain(scale_by_adam, add_decayed_weights, scale_by_trust_ratio,
     scale_by_learning_rate)``: AdamW's direction, rescaled per layer by the trust ratio."""
+    check_lr("lamb", learning_rate)
+    check_range("lamb", "b1", b1, 0.0, 1.0)
+    check_range("lamb", "b2", b2, 0.0, 1.0)
+    check_range("lamb", "eps", eps, 0.0)
+    check_range("lamb", "weight_decay", weight_decay, 0.0)
     return chain(
         scale_by_adam(b1, b2, eps),
         add_decayed_weights(weight_decay, mask),

@@ -29,6 +29,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from ftrain import tree
 from ftrain.optim.base import GradientTransformation, chain, empty_state, leafwise
+from ftrain.optim.checks import check_range, checked
 from ftrain.optim.kernels import check_same_keys, mul
 from ftrain.optim.partition import partition
 from ftrain.optim.schedules import Schedule
@@ -242,13 +243,7 @@ def scale_by_shape(adjust_lr_fn: str = "original") -> GradientTransformation:
     return leafwise(lambda params: empty_state(), update)
 
 
-def _check(name: str, value, lo: float, hi: float | None = None) -> None:
-    bad = not isinstance(value, (int, float)) or isinstance(value, bool) or value != value
-    if bad or value < lo or (hi is not None and value >= hi):
-        legal = f"in [{lo}, {hi})" if hi is not None else f">= {lo}"
-        raise ValueError(f"optim.muon: {name} must be a number {legal}, got {value!r}.")
-
-
+@checked
 def muon(
     learning_rate: float | Schedule,
     momentum: float = 0.95,
@@ -290,9 +285,9 @@ def muon(
       (:func:`scale_by_shape`).
     """
     if not callable(learning_rate):
-        _check("learning_rate", learning_rate, 0.0)
-    _check("momentum", momentum, 0.0, 1.0)
-    _check("weight_decay", weight_decay, 0.0)
+        check_range("muon", "learning_rate", learning_rate, 0.0)
+    check_range("muon", "momentum", momentum, 0.0, 1.0)
+    check_range("muon", "weight_decay", weight_decay, 0.0)
     if not isinstance(ns_steps, int) or isinstance(ns_steps, bool) or not 0 <= ns_steps < 100:
         raise ValueError(f"optim.muon: ns_steps must be an int in [0, 100), got {ns_steps!r}.")
     if len(ns_coefficients) != 3:
@@ -347,6 +342,7 @@ def _within(mask):
     return lambda sub: tree.from_flat({k: flat[k] for k in tree.paths(sub)})
 
 
+@checked
 def muon_adamw(
     learning_rate: float | Schedule,
     adamw_learning_rate: float | Schedule | None = None,

@@ -18,6 +18,7 @@ from tensordict import TensorDict
 
 from ftrain import tree
 from ftrain.optim.base import GradientTransformation, chain
+from ftrain.optim.checks import check_lr, check_range, checked
 from ftrain.optim.transforms import (
     add_decayed_weights,
     scale_by_learning_rate,
@@ -130,6 +131,7 @@ def scale_by_adam_8bit(
     return GradientTransformation(init, update)
 
 
+@checked
 def adamw8bit(
     learning_rate=1e-3,
     b1: float = 0.9,
@@ -146,6 +148,11 @@ def adamw8bit(
     ``chain(scale_by_adam_8bit, add_decayed_weights, scale_by_learning_rate)``: the same
     composition as :func:`adamw`; its loss curve tracks AdamW's closely (tested on a GPT).
     """
+    check_lr("adamw8bit", learning_rate)
+    check_range("adamw8bit", "b1", b1, 0.0, 1.0)
+    check_range("adamw8bit", "b2", b2, 0.0, 1.0)
+    check_range("adamw8bit", "eps", eps, 0.0)
+    check_range("adamw8bit", "weight_decay", weight_decay, 0.0)
     return chain(
         scale_by_adam_8bit(b1, b2, eps, block_size=block_size, min_8bit_size=min_8bit_size),
         add_decayed_weights(weight_decay, mask),

@@ -28,6 +28,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from ftrain import tree
 from ftrain.optim.base import GradientTransformation, LeafContext, chain, leaf_update, leafwise
+from ftrain.optim.checks import check_range, checked
 from ftrain.optim.kernels import check_same_keys, mul, zero_count
 from ftrain.optim.schedules import Schedule, as_schedule
 from ftrain.optim.transforms import add_decayed_weights, scale_by_learning_rate
@@ -36,14 +37,6 @@ __all__ = ["schedule_free_adamw", "schedule_free_eval_params"]
 
 # The keys that mark a schedule-free state (schedule_free_eval_params looks for them).
 _MARK = ("b1", "weight_sum", "z")
-
-
-def _number(fn: str, name: str, value, lo: float, hi: float | None = None, *, open_lo=False):
-    bad = not isinstance(value, (int, float)) or isinstance(value, bool) or value != value
-    if bad or value < lo or (open_lo and value == lo) or (hi is not None and value >= hi):
-        low = "(" if open_lo else "["
-        rng = f"in {low}{lo}, {hi})" if hi is not None else f"{'>' if open_lo else '>='} {lo}"
-        raise ValueError(f"optim.{fn}: {name} must be a number {rng}, got {value!r}.")
 
 
 def _warmed_up(learning_rate: float | Schedule, warmup_steps: int) -> Schedule:
@@ -123,9 +116,9 @@ def _schedule_free(
     State: ``count``, ``lr_max`` and ``weight_sum`` (0-d float64), ``b1`` (0-d float64, for
     :func:`schedule_free_eval_params`), ``z`` (like the params) and ``base``.
     """
-    _number("schedule_free_adamw", "b1", b1, 0.0, 1.0, open_lo=True)
-    _number("schedule_free_adamw", "weight_lr_power", weight_lr_power, 0.0)
-    _number("schedule_free_adamw", "r", r, 0.0)
+    check_range("schedule_free_adamw", "b1", b1, 0.0, 1.0, open_lo=True)
+    check_range("schedule_free_adamw", "weight_lr_power", weight_lr_power, 0.0)
+    check_range("schedule_free_adamw", "r", r, 0.0)
     schedule = as_schedule(learning_rate)
     base_fn = leaf_update(base)
 
@@ -177,6 +170,7 @@ def _schedule_free(
     return leafwise(init, update)
 
 
+@checked
 def schedule_free_adamw(
     learning_rate: float | Schedule = 0.0025,
     warmup_steps: int = 0,
@@ -235,15 +229,15 @@ def schedule_free_adamw(
     """
     fn = "schedule_free_adamw"
     if not callable(learning_rate):
-        _number(fn, "learning_rate", learning_rate, 0.0)
+        check_range(fn, "learning_rate", learning_rate, 0.0)
     if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 0:
         raise ValueError(
             f"optim.{fn}: warmup_steps must be an integer >= 0 (a number of steps), got "
             f"{warmup_steps!r}."
         )
-    _number(fn, "b2", b2, 0.0, 1.0)
-    _number(fn, "weight_decay", weight_decay, 0.0)
-    _number(fn, "eps", eps, 0.0)
+    check_range(fn, "b2", b2, 0.0, 1.0)
+    check_range(fn, "weight_decay", weight_decay, 0.0)
+    check_range(fn, "eps", eps, 0.0)
     lr = _warmed_up(learning_rate, warmup_steps)
     parts = [_scale_by_rms(b2, eps)]
     if weight_decay:
