@@ -57,6 +57,11 @@ def sgd(
     **Invariant:** matches ``torch.optim.SGD(lr, momentum, nesterov=..., weight_decay=...)``
     (dampening 0): 50 steps of a small transformer agree to 1e-6 relative
     (``tests/test_optim.py``).
+
+    Conventions: torch's. ``optax.sgd`` has no weight decay (optax users chain
+    ``add_decayed_weights`` themselves, as this does first, where torch adds it); the momentum
+    buffer is ``momentum * buf + g`` and nesterov steps along ``g + momentum * buf``, which is both
+    torch's and ``optax.trace``'s form.
     """
     check_lr("sgd", learning_rate)
     check_range("sgd", "momentum", momentum, 0.0, 1.0)
@@ -88,6 +93,10 @@ def adam(
     **Invariant:** matches ``torch.optim.Adam``: from the same params, moments and gradients each
     step agrees to 1e-6 relative; over 50 steps, ftrain stays as close to torch's foreach Adam as
     torch's fused Adam does (Adam amplifies 1-ulp differences; ``tests/test_optim.py``).
+
+    Conventions: ``eps`` is added outside the square root, ``m_hat / (sqrt(v_hat) + eps)``, as in
+    torch and ``optax.adam`` (optax's ``eps_root``, inside it, is 0 here). The weight decay is
+    torch's L2 (``optax.adam`` has none; for decoupled decay use :func:`adamw`).
     """
     check_lr("adam", learning_rate)
     check_range("adam", "b1", b1, 0.0, 1.0)
@@ -117,6 +126,10 @@ def adamw(
     step agrees to 1e-6 relative; over 50 steps, ftrain stays as close to torch's foreach AdamW as
     torch's fused AdamW does (``tests/test_optim.py``). One known difference: torch multiplies
     params by ``1 - lr * weight_decay`` rounded to float32, ftrain adds ``lr * weight_decay * p``.
+
+    Conventions: the decay is scaled by the learning rate (``p -= lr * (adam + wd * p)``), as in
+    torch and ``optax.adamw`` alike; the default ``weight_decay`` is torch's 1e-2 (optax's is
+    1e-4), and ``mask=None`` decays every parameter as torch does.
 
     >>> import torch, ftrain as ft
     >>> params = ft.params_of(torch.nn.Linear(4, 2))
@@ -150,7 +163,9 @@ def lion(
 ) -> GradientTransformation:
     """Lion (Chen et al., 2023): sign of an interpolated momentum, decoupled weight decay.
 
-    Use a learning rate 3-10x smaller than AdamW's and a weight decay 3-10x larger.
+    Use a learning rate 3-10x smaller than AdamW's and a weight decay 3-10x larger. Conventions:
+    ``optax.lion``'s (torch has no Lion): the same defaults (``b1=0.9``, ``b2=0.99``), and the
+    decay scaled by the learning rate, as in AdamW.
     """
     check_lr("lion", learning_rate)
     check_range("lion", "b1", b1, 0.0, 1.0)
