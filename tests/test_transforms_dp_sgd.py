@@ -208,3 +208,26 @@ def test_on_two_ranks_noise_added_once(two_ranks):
             assert got["count"] == ROWS
             torch.testing.assert_close(got["noise_std"], metrics["noise_std"])
     assert "saved-tensor hooks" in two_ranks[0]["errors"]["dp_sgd with fsdp"]
+
+
+def test_fp16_loss_scale_is_divided_out_before_clipping():
+    """autocast(fp16): the first steps may overflow (one example's gradient is larger than a
+    batch mean) and are skipped while the scale backs off; the first applied update is the fp32
+    one to fp16's precision (a scale left in would change how many examples are clipped)."""
+    model, sgd = tiny_gpt(), ft.optim.sgd(1.0)
+    batch = lm_batch(4, lengths=UNEVEN)
+    state = ft.TrainState.create(ft.params_of(model), sgd)
+    fp32 = ft.dp_sgd(ft.train_step(lm_loss(model), sgd), 0.05, 0.0)
+    fp16 = ft.dp_sgd(ft.autocast(ft.train_step(lm_loss(model), sgd), torch.float16), 0.05, 0.0)
+    want, m32 = fp32(state, batch)
+    st = fp16.init_extra(state)
+    for _ in range(6):
+        new, m16 = fp16(st, batch)
+        if not m16["skipped"]:
+            break
+        assert torch.equal(_delta(new, st), torch.zeros_like(_delta(new, st)))
+        st = new
+    assert not m16["skipped"]
+    rel = _delta(new, want).norm() / _delta(state, want).norm()
+    assert rel < 1e-2, rel
+    assert m16["clipped"] == m32["clipped"]

@@ -184,8 +184,9 @@ def dp_sgd(step: Step, l2_norm_clip: float, noise_multiplier: float) -> Step:
     noise multiplier, the sampling rate and the number of steps) is not part of this transform.
 
     Composes with ``ft.accumulate`` (memory: one copy of the params per example of a
-    micro-batch), ``ft.autocast`` (fp16's loss scale is divided out before clipping) and
-    ``ft.shard`` with ``"ddp"``, ``"zero1"`` or ``"zero2"``. Refused when the step is built:
+    micro-batch), ``ft.autocast`` (fp16's loss scale is divided out before clipping; one
+    example's gradient is larger than a batch mean, so a dynamic scale may skip a few more first
+    steps while it backs off) and ``ft.shard`` with ``"ddp"``, ``"zero1"`` or ``"zero2"``. Refused when the step is built:
     ``ft.checkpoint`` and ``ft.shard(..., "fsdp")`` (torch.func refuses saved-tensor hooks), a
     transform applied before it that sets its own gradient engine, and bad arguments. The model
     must be traceable by ``torch.func`` (no BatchNorm in training mode: use GroupNorm).
