@@ -16,8 +16,6 @@ from ftrain.step import AutogradEngine, Transform
 
 from _tiny import UNEVEN, lm_batch, lm_loss, tiny_gpt
 
-opacus = pytest.importorskip("opacus")
-
 
 def _mlp():
     torch.manual_seed(0)
@@ -88,6 +86,7 @@ def test_no_noise_equals_opacus(case):
     """noise_multiplier=0: the params after SGD(lr=1) equal Opacus's (clip factor
     min(1, C / (norm + 1e-6)), sum, divided by the batch size) to 1e-5, with some examples
     clipped and some not."""
+    pytest.importorskip("opacus")  # a dev dependency
     g = torch.Generator().manual_seed(4)
     if case == "classify":
         model, loss_of, n = _mlp(), _classify, 12
