@@ -23,6 +23,7 @@ from ftrain.io import (
     save_checkpoint,
 )
 from ftrain.losses import Loss
+from ftrain.per_example import per_example_grads
 from ftrain.state import TrainState, buffers_of, param_count, params_of, state_dict_of
 from ftrain.step import Gradients, Step, Transform, train_step
 from ftrain.transforms import (
@@ -30,6 +31,7 @@ from ftrain.transforms import (
     autocast,
     checkpoint,
     compile,
+    dp_sgd,
     ema,
     shard,
     wrap,
@@ -53,6 +55,8 @@ __all__ = [
     "checkpoint",
     "compile",
     "ema",
+    "dp_sgd",
+    "per_example_grads",
     "Step",
     "Transform",
     "Gradients",
