@@ -40,6 +40,7 @@ __all__ = [
     "newton_schulz",
     "ema_momentum",
     "orthogonalize",
+    "newton_schulz_cost",
     "scale_by_shape",
     "muon",
     "muon_labels",
@@ -149,7 +150,7 @@ def _check_matrices(tensors: Sequence[torch.Tensor], paths: Sequence[str]) -> No
         )
 
 
-def _newton_schulz_cost(shape: torch.Size) -> int:
+def newton_schulz_cost(shape: torch.Size) -> int:
     """Multiply-adds of one Newton–Schulz step on a ``shape`` matrix: ``2 m^2 n + m^3`` with
     ``m <= n`` its sides (the owners of sharded matrices are balanced by it)."""
     m, n = sorted(shape[-2:])
@@ -167,7 +168,7 @@ def orthogonalize(
     Matrices of the same shape go through Newton–Schulz together, as one batch. Sharded updates
     (DTensors, under ``ft.shard`` zero1/zero2/fsdp) go through
     :func:`ftrain.distributed.owners.on_owners`: each matrix has one owner rank (balanced by
-    Newton–Schulz's multiply-adds), its rows travel there in bfloat16, the owner orthogonalizes it
+    :func:`newton_schulz_cost`), its rows travel there in bfloat16, the owner orthogonalizes it
     and sends each rank its rows of the result. The result equals the unsharded one.
     """
 
@@ -193,7 +194,7 @@ def orthogonalize(
             # only reached with DTensors, so ftrain.distributed is loaded already
             from ftrain.distributed.owners import on_owners
 
-            done = on_owners(ortho, u, cost=_newton_schulz_cost, dtype=torch.bfloat16)
+            done = on_owners(ortho, u, cost=newton_schulz_cost, dtype=torch.bfloat16)
         else:
             done = ortho(list(u))
         return [o.to(x.dtype) for o, x in zip(done, u)], s
