@@ -2,9 +2,9 @@
 
 Starting processes that import torch costs seconds, so ``conftest.py``'s session fixture
 ``two_ranks`` runs :func:`on_two_ranks` once, on 2 gloo processes, and the tests of
-``test_transforms_shard.py``, ``test_distributed_zero.py``, ``test_distributed_fsdp.py`` and
-``test_distributed_launch.py`` read what it returns and compare it, in the parent, against
-single-process references. The setting below is the same in the parent and in the ranks.
+``test_transforms_shard.py``, ``test_distributed_zero.py``, ``test_distributed_fsdp.py``,
+``test_distributed_launch.py``, ``test_distributed_owners.py`` and ``test_optim_muon.py`` read
+what it returns and compare it, in the parent, against single-process references. The setting below is the same in the parent and in the ranks.
 """
 
 from __future__ import annotations
