@@ -20,9 +20,10 @@ It writes four sections of RESULTS.md:
   end (schedule-free at ``schedule_free_eval_params``), for each learning rate of a small sweep.
   The runs go two at a time in two processes (one torch thread each).
 * **Sharded Muon**: on 2 gloo ranks, the two ways to orthogonalize updates that zero2/fsdp hold as
-  row shards: every rank gathers every whole matrix and orthogonalizes all of them (what
-  ``ftrain.optim.muon`` does), or each rank is given whole matrices (their rows sent to it),
-  orthogonalizes those and sends the rows back. The parts are timed and the bytes counted.
+  row shards: every rank gathers every whole matrix and orthogonalizes all of them, or each rank
+  is given whole matrices (their rows sent to it), orthogonalizes those and sends the rows back
+  (``ftrain.distributed.owners.on_owners``, what ``ftrain.optim.muon`` does). The parts are timed
+  and the bytes counted.
 
 Timing follows benchmarks/step_overhead.py: one torch thread, every side once per round in
 rotating order, medians over rounds, ratios judged on CPU time (this process, all threads; waiting
@@ -312,23 +313,6 @@ At equal CPU time: {ranking}.
 # -- sharded Muon ----------------------------------------------------------------------------------
 
 
-def _rows(n: int, world: int, rank: int) -> tuple[int, int]:
-    """(first row, row count) of ``rank``'s Shard(0) piece of ``n`` rows (torch.chunk's split)."""
-    per = -(-n // world)
-    start = min(rank * per, n)
-    return start, min(per, n - start)
-
-
-def _owners(shapes: list[tuple], world: int) -> list[int]:
-    """Each matrix to the least loaded rank, the costliest first (Newton–Schulz multiply-adds)."""
-    cost = [5 * (2 * min(s) ** 2 * max(s) + min(s) ** 3) for s in shapes]
-    load, owner = [0] * world, [0] * len(shapes)
-    for i in sorted(range(len(shapes)), key=lambda i: -cost[i]):
-        owner[i] = load.index(min(load))
-        load[owner[i]] += cost[i]
-    return owner
-
-
 def _orthogonalize(mats: list[torch.Tensor]) -> list[torch.Tensor]:
     """Newton–Schulz of each matrix, batched by shape (as ``optim.muon``'s orthogonalize)."""
     groups: dict[tuple, list[int]] = {}
@@ -344,14 +328,17 @@ def _orthogonalize(mats: list[torch.Tensor]) -> list[torch.Tensor]:
 def sharded_muon(quick: bool, n_rounds: int) -> dict:
     """On each rank: the parts of both schemes on the hidden matrices of the recipe's GPT, with
     updates held as zero2/fsdp hold them (Shard(0) DTensors), and the recipe's muon step under
-    ddp, zero2 and fsdp."""
+    ddp, zero2 and fsdp. B is the library's ``on_owners`` (its parts: its ``Exchange``)."""
     import torch.distributed as dist
 
     from ftrain.distributed import default_mesh, shard_state
-    from ftrain.distributed.collectives import as_sharded, gather_leaves
+    from ftrain.distributed.collectives import as_sharded, gather_leaves, layout
+    from ftrain.distributed.owners import exchange, on_owners, owners
+    from ftrain.optim.muon import newton_schulz_cost
 
     torch.set_num_threads(1)
     mesh, rank, world = default_mesh(), dist.get_rank(), dist.get_world_size()
+    group = mesh.get_group()
     cfg = base_cfg(quick)
     params = ft.params_of(gpt.build_model(cfg))
     labels = optim.muon_labels(params)
@@ -360,74 +347,42 @@ def sharded_muon(quick: bool, n_rounds: int) -> dict:
     g = torch.Generator().manual_seed(0)
     wholes = [torch.randn(s, generator=g) for s in shapes]  # the same on every rank
     shards = [as_sharded(w, mesh, copy=True) for w in wholes]  # this rank's rows, as DTensors
-    owner = _owners(shapes, world)
-    mine = [i for i in range(len(shapes)) if owner[i] == rank]
+    sizes = tuple(torch.Size(s) for s in shapes)
+    owner = owners(tuple(float(newton_schulz_cost(s)) for s in sizes), world)
+    ex = exchange(sizes, owner, world)  # the plan on_owners follows for these matrices
+    mine = ex.owned[rank]
     cols = [s[1] for s in shapes]
-    rows = [[_rows(s[0], world, r) for s in shapes] for r in range(world)]  # [rank][matrix]
+    rows = layout(sizes, world).rows  # [rank][matrix] -> (first row, row count)
 
-    def gather_all() -> list[torch.Tensor]:  # scheme A: what optim.muon does
+    def gather_all() -> list[torch.Tensor]:  # scheme A: every whole matrix on every rank
         return gather_leaves([s.to(torch.bfloat16) for s in shards], mesh)
 
-    def to_owners() -> dict[int, torch.Tensor]:  # scheme B, 1: the rows of each matrix to its owner
-        local = [s.to_local().to(torch.bfloat16) for s in shards]
-        send = [[local[i].reshape(-1) for i in range(len(shapes)) if owner[i] == d and d != rank]
-                for d in range(world)]  # fmt: skip
-        in_split = [sum(t.numel() for t in ts) for ts in send]
-        out_split = [0 if d == rank else sum(rows[d][i][1] * cols[i] for i in mine)
-                     for d in range(world)]  # fmt: skip
-        out = torch.empty(sum(out_split), dtype=torch.bfloat16)
-        flat = torch.cat([t for ts in send for t in ts] or [out.new_empty(0)])
-        dist.all_to_all_single(out, flat, out_split, in_split)
-        received = out.split(out_split)
-        whole = {}
-        for d in range(world):
-            parts = received[d].split([rows[d][i][1] * cols[i] for i in mine]) if d != rank else ()
-            for j, i in enumerate(mine):
-                piece = local[i] if d == rank else parts[j].view(-1, cols[i])
-                whole.setdefault(i, []).append(piece)
-        return {i: torch.cat(p) for i, p in whole.items()}
-
-    def back(done: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:  # scheme B, 2: rows back
-        send = [[done[i].narrow(0, *rows[d][i]).reshape(-1) for i in mine] if d != rank else []
-                for d in range(world)]  # fmt: skip
-        in_split = [sum(t.numel() for t in ts) for ts in send]
-        theirs = [[i for i in range(len(shapes)) if owner[i] == d] for d in range(world)]
-        out_split = [0 if d == rank else sum(rows[rank][i][1] * cols[i] for i in theirs[d])
-                     for d in range(world)]  # fmt: skip
-        out = torch.empty(sum(out_split), dtype=torch.bfloat16)
-        flat = torch.cat([t for ts in send for t in ts] or [out.new_empty(0)])
-        dist.all_to_all_single(out, flat, out_split, in_split)
-        mine_rows = {i: done[i].narrow(0, *rows[rank][i]) for i in mine}
-        received = out.split(out_split)
-        for d in range(world):
-            if d != rank:
-                sizes = [rows[rank][i][1] * cols[i] for i in theirs[d]]
-                for i, p in zip(theirs[d], received[d].split(sizes)):
-                    mine_rows[i] = p.view(-1, cols[i])
-        return mine_rows
+    def to_owners() -> list[torch.Tensor]:  # scheme B, 1: the rows of each matrix to its owner
+        return ex.to_owners([s.to_local().to(torch.bfloat16) for s in shards], rank, group)
 
     whole_bf16 = [w.bfloat16() for w in wholes]
     owned_bf16 = [whole_bf16[i] for i in mine]
-    done = dict(zip(mine, _orthogonalize(owned_bf16)))
+    done = _orthogonalize(owned_bf16)
 
-    def scheme_a() -> list[torch.Tensor]:
-        ortho = _orthogonalize(gather_all())
-        return [o.narrow(0, *rows[rank][i]) for i, o in enumerate(ortho)]
+    def back() -> list[torch.Tensor]:  # scheme B, 2: the results' rows back
+        return ex.back(done, rank, group, whole_bf16[0])
 
-    def scheme_b() -> dict[int, torch.Tensor]:
-        got = to_owners()
-        return back(dict(zip(mine, _orthogonalize([got[i] for i in mine]))))
+    def scheme_a() -> list[torch.Tensor]:  # each rank keeps its rows of every result
+        return [as_sharded(o, mesh, copy=False) for o in _orthogonalize(gather_all())]
+
+    def scheme_b() -> list[torch.Tensor]:  # what optim.muon's orthogonalize does
+        return on_owners(_orthogonalize, shards, cost=newton_schulz_cost, dtype=torch.bfloat16)
 
     a, b = scheme_a(), scheme_b()
-    same = all(torch.equal(a[i], b[i]) for i in range(len(shapes)))
+    same = all(torch.equal(x.to_local(), y.to_local()) for x, y in zip(a, b))
     parts = {
         "A: gather every whole matrix": gather_all,
         "A: Newton–Schulz, every matrix": lambda: _orthogonalize(whole_bf16),
         "B: rows to their owners": to_owners,
         "B: Newton–Schulz, owned matrices": lambda: _orthogonalize(owned_bf16),
-        "B: results' rows back": lambda: back(done),
+        "B: results' rows back": back,
         "A: total": scheme_a,
-        "B: total": scheme_b,
+        "B: total (on_owners)": scheme_b,
     }
     # the recipe's muon step (muon_adamw) on this rank's half of a batch, per strategy
     batch = {k: v[: max(1, len(v) // world)] for k, v in first_batches(cfg, 1)[0].items()}
@@ -455,7 +410,7 @@ def sharded_muon(quick: bool, n_rounds: int) -> dict:
             cpu[k].append(time.process_time() - c)
             wall[k].append(time.perf_counter() - w)
     seg = max(sum(rows[r][i][1] * cols[i] for i in range(len(shapes))) for r in range(world))
-    theirs = [i for i in range(len(shapes)) if owner[i] != rank]
+    theirs = [i for i in range(len(shapes)) if owner[i] != rank]  # bytes from other ranks only
     received = {
         "A": (world - 1) * seg * 2,  # the padded flat all-gather, bfloat16
         "B1": sum(rows[d][i][1] * cols[i] for i in mine for d in range(world) if d != rank) * 2,
@@ -486,7 +441,7 @@ def sharded_section(quick: bool, n_rounds: int) -> str:
     recv = [r["received"] for r in res]
     a_bytes = max(r["A"] for r in recv)
     b_bytes = max(r["B1"] + r["B2"] for r in recv)
-    a_tot, b_tot = wall["A: total"], wall["B: total"]
+    a_tot, b_tot = wall["A: total"], wall["B: total (on_owners)"]
     cheaper = "B (whole matrices to ranks)" if b_tot < a_tot else "A (gather on every rank)"
     mib = 1 << 20
     shapes = ", ".join(f"{a}x{b}" for a, b in sorted(set(r0["shapes"])))
@@ -502,10 +457,11 @@ def sharded_section(quick: bool, n_rounds: int) -> str:
 torch thread each (the 2 cores). Load average {load[0]:.1f} at the start and {load[1]:.1f} at the end.
 
 The orthogonalization needs each whole matrix; under zero2 and fsdp each rank holds a block of
-rows of every update. **A** (what `ftrain.optim.muon` does): one flat all-gather of every hidden
-matrix's rows (bfloat16), every rank orthogonalizes all of them and keeps its rows. **B**: each
-matrix has an owner rank (balanced by Newton–Schulz cost), an all-to-all sends each matrix's rows
-to its owner, the owner orthogonalizes it, a second all-to-all sends the rows back. Measured on
+rows of every update. **A**: one flat all-gather of every hidden matrix's rows (bfloat16), every
+rank orthogonalizes all of them and keeps its rows. **B** (what `ftrain.optim.muon` does, through
+`ftrain.distributed.owners.on_owners`): each matrix has an owner rank (balanced by Newton–Schulz
+cost), an all-to-all sends each matrix's rows to its owner, the owner orthogonalizes its matrices
+(batched by shape), a second all-to-all sends the rows back. Measured on
 the {len(r0["shapes"])} hidden matrices of the recipe's GPT ({shapes};
 {r0["total_bytes"] / mib:.2f} MiB in bfloat16), random updates held as Shard(0) DTensors; B's
 result equals A's bit for bit: **{r0["same"]}**. Medians of {n_rounds} rounds (every part once per
@@ -521,8 +477,8 @@ Bytes each rank receives per step: A {a_bytes / mib:.2f} MiB (one all-gather), B
 ((W-1)/W of the matrices for A, 2(W-1)/W² for B), so B saves Newton–Schulz time
 ({ns_all * 1e3:.2f} -> {ns_half * 1e3:.2f} ms), and its two collectives together take
 {gather_b * 1e3:.2f} ms against A's one {gather_a * 1e3:.2f} ms. Cheaper here: **{cheaper}**,
-{a_tot * 1e3:.2f} ms against {b_tot * 1e3:.2f} ms per step, next to a whole muon_adamw step
-({rows_per_rank} rows per rank) of {step_note}. With W ranks, A's Newton–Schulz work per rank stays
+A {a_tot * 1e3:.2f} ms against B {b_tot * 1e3:.2f} ms per step, next to a whole muon_adamw step
+({rows_per_rank} rows per rank; zero2 and fsdp orthogonalize by B) of {step_note}. With W ranks, A's Newton–Schulz work per rank stays
 that of every matrix and its bytes per rank approach all of them, while B's both fall as 1/W. B
 works with `ft.shard`'s row layout as it is: the momentum stays in rows, only the update's rows
 travel.

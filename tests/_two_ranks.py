@@ -2,9 +2,9 @@
 
 Starting processes that import torch costs seconds, so ``conftest.py``'s session fixture
 ``two_ranks`` runs :func:`on_two_ranks` once, on 2 gloo processes, and the tests of
-``test_transforms_shard.py``, ``test_distributed_zero.py``, ``test_distributed_fsdp.py`` and
-``test_distributed_launch.py`` read what it returns and compare it, in the parent, against
-single-process references. The setting below is the same in the parent and in the ranks.
+``test_transforms_shard.py``, ``test_distributed_zero.py``, ``test_distributed_fsdp.py``,
+``test_distributed_launch.py``, ``test_distributed_owners.py`` and ``test_optim_muon.py`` read
+what it returns and compare it, in the parent, against single-process references. The setting below is the same in the parent and in the ranks.
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ from ftrain.distributed import (
     track_gathered,
     unshard_state,
 )
+from ftrain.distributed.collectives import as_sharded
 from ftrain.distributed.dtensor import dtensor
+from ftrain.distributed.owners import on_owners
 from ftrain.transforms import StaticLossScale, shard
 
 from _tiny import lm_batch, lm_loss, tiny_gpt
@@ -67,6 +69,25 @@ def adafactor():
 
 def muon():
     return ft.optim.muon_adamw(0.02, weight_decay=0.1, mask=ft.optim.decay_mask)
+
+
+# on_owners' inputs: row-sharded tensors of mixed shapes and dtypes (rank 1 holds no row of the
+# 1-row one), then a plain tensor and a column-sharded DTensor (computed on every rank)
+OWNED_SHAPES = [(5, 3), (1, 4), (33, 8), (5, 3), (3, 2, 2), (6,)]
+OWNED_F64 = 3  # this one is float64: it travels in an exchange of its own
+OTHER_SHAPES = [(4, 4), (5, 7)]
+
+
+def owned_inputs() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(4)
+    ts = [torch.randn(s, generator=g) for s in OWNED_SHAPES + OTHER_SHAPES]
+    ts[OWNED_F64] = ts[OWNED_F64].double()
+    return ts
+
+
+def whole_fn(t: torch.Tensor) -> torch.Tensor:
+    """A function of every row of ``t`` (each row of the result depends on all of them)."""
+    return t.cumsum(0) * t.sum() + t.flip(0)
 
 
 def composed(step, micro_batches):
@@ -205,6 +226,23 @@ def on_two_ranks(tmp: str) -> dict:
         u = tree.from_flat({"w": d.distribute_tensor(g, mesh, [placement])})
         got = ortho.update(u, ortho.init(u))[0]["w"]
         out["muon", str(placement)] = (got.placements, got.full_tensor())
+
+    # on_owners itself: each rank records the shapes its fn computed
+    wholes, seen = owned_inputs(), []
+    n = len(OWNED_SHAPES)
+    ins = [as_sharded(t, mesh, copy=True) for t in wholes[:n]]
+    ins += [wholes[n], d.distribute_tensor(wholes[n + 1], mesh, [d.Shard(1)])]
+
+    def fn(ts):
+        seen.extend(tuple(t.shape) for t in ts)
+        return [whole_fn(t) for t in ts]
+
+    got = on_owners(fn, ins)
+    out["on_owners"] = {
+        "placements": [str(t.placements) if hasattr(t, "placements") else "plain" for t in got],
+        "whole": [t.full_tensor() if hasattr(t, "placements") else t for t in got],
+        "seen": seen,
+    }
 
     # 6. fp16 loss scaling: the same as ddp; an overflow is skipped on every rank
     for strategy in STRATEGIES:

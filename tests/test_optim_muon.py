@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 import ftrain as ft
 from ftrain import optim, tree
+from ftrain.optim.muon import newton_schulz_cost
 from ftrain.testing import assert_no_recompile, max_rel_error
 
 from _tiny import lm_batch, lm_loss, tiny_gpt
@@ -68,6 +69,15 @@ def test_a_batch_of_matrices_gives_the_bits_of_one_at_a_time():
     g = torch.randn(3, 40, 16, generator=torch.Generator().manual_seed(1))
     batch = optim.newton_schulz(g)
     assert all(torch.equal(batch[i], optim.newton_schulz(g[i])) for i in range(3))
+
+
+@pytest.mark.parametrize("shape", [(40, 16), (16, 40), (8, 8)])
+def test_newton_schulz_cost_is_the_multiply_adds_of_one_step(shape):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:  # counts 2 flops per multiply-add
+        optim.newton_schulz(torch.randn(shape), steps=1)
+    assert newton_schulz_cost(torch.Size(shape)) == counter.get_total_flops() // 2
 
 
 # -- muon against torch.optim.Muon ---------------------------------------------------------------

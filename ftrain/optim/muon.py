@@ -41,6 +41,7 @@ __all__ = [
     "newton_schulz",
     "ema_momentum",
     "orthogonalize",
+    "newton_schulz_cost",
     "scale_by_shape",
     "muon",
     "muon_labels",
@@ -150,35 +151,11 @@ def _check_matrices(tensors: Sequence[torch.Tensor], paths: Sequence[str]) -> No
         )
 
 
-def _whole_bf16(u: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Each update as a whole plain bfloat16 matrix: sharded ones (DTensors) are cast to
-    bfloat16 on their shard, then gathered (half the bytes of float32; Newton–Schulz starts with
-    the same cast, so nothing changes)."""
-    sharded = [i for i, x in enumerate(u) if _is_dtensor(x)]
-    out = list(u)
-    if sharded:
-        # only reached with DTensors, so ftrain.distributed is loaded already
-        from ftrain.distributed.collectives import gather_leaves
-
-        pieces = [u[i].to(torch.bfloat16) for i in sharded]
-        for i, whole in zip(sharded, gather_leaves(pieces, pieces[0].device_mesh)):
-            out[i] = whole
-    return out
-
-
-def _laid_out_like(o: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``o`` (whole and plain, the same on every rank) laid out as the DTensor ``like``: each rank
-    keeps its part, no traffic."""
-    from ftrain.distributed.collectives import as_sharded
-    from ftrain.distributed.dtensor import placements_of
-
-    if tuple(like.placements) == placements_of(like):  # ft.shard's layout: this rank's rows
-        return as_sharded(o, like.device_mesh, copy=False)
-    from torch.distributed.tensor import DTensor, Replicate
-
-    mesh = like.device_mesh  # any other layout: Replicate to it is a local split
-    whole = DTensor.from_local(o, mesh, [Replicate()] * mesh.ndim, run_check=False)
-    return whole.redistribute(mesh, like.placements)
+def newton_schulz_cost(shape: torch.Size) -> int:
+    """Multiply-adds of one Newton–Schulz step on a ``shape`` matrix: ``2 m^2 n + m^3`` with
+    ``m <= n`` its sides (the owners of sharded matrices are balanced by it)."""
+    m, n = sorted(shape[-2:])
+    return 2 * m * m * n + m**3
 
 
 def orthogonalize(
@@ -189,11 +166,23 @@ def orthogonalize(
     """Replace each update matrix by :func:`newton_schulz` of it (cast back to its dtype).
 
     Every param must be 2-D (checked at ``init`` and at every update, naming the others).
-    Matrices of the same shape go through Newton–Schulz together, as one batch. A sharded update
-    (a ``DTensor``, under ``ft.shard`` zero1/zero2/fsdp) is gathered whole first (bfloat16, one
-    flat all-gather for all of them), every rank orthogonalizes every matrix, and keeps its own
-    rows: the result equals the unsharded one.
+    Matrices of the same shape go through Newton–Schulz together, as one batch. Sharded updates
+    (DTensors, under ``ft.shard`` zero1/zero2/fsdp) go through
+    :func:`ftrain.distributed.owners.on_owners`: each matrix has one owner rank (balanced by
+    :func:`newton_schulz_cost`), its rows travel there in bfloat16, the owner orthogonalizes it
+    and sends each rank its rows of the result. The result equals the unsharded one.
     """
+
+    def ortho(mats: list[torch.Tensor]) -> list[torch.Tensor]:
+        groups: dict[tuple, list[int]] = {}
+        for i, x in enumerate(mats):
+            groups.setdefault((tuple(x.shape), x.dtype, x.device), []).append(i)
+        out = list(mats)
+        for idx in groups.values():
+            batch = torch.stack([mats[i] for i in idx])  # (k, rows, cols)
+            for i, o in zip(idx, newton_schulz(batch, ns_steps, ns_coefficients, eps).unbind()):
+                out[i] = o
+        return out
 
     def init(params):
         values, tdef = tree.flatten(params)
@@ -202,19 +191,14 @@ def orthogonalize(
 
     def update(u, s, p, ctx):
         _check_matrices(u, ctx.tree.paths)
-        whole = _whole_bf16(u)
-        groups: dict[tuple, list[int]] = {}
-        for i, x in enumerate(whole):
-            groups.setdefault((tuple(x.shape), x.dtype, x.device), []).append(i)
-        out = list(u)
-        for idx in groups.values():
-            ortho = newton_schulz(
-                torch.stack([whole[i] for i in idx]), ns_steps, ns_coefficients, eps
-            )
-            for i, o in zip(idx, ortho.unbind()):  # (rows, cols) each
-                o = _laid_out_like(o, u[i]) if _is_dtensor(u[i]) else o
-                out[i] = o.to(u[i].dtype)
-        return out, s
+        if any(_is_dtensor(x) for x in u):
+            # only reached with DTensors, so ftrain.distributed is loaded already
+            from ftrain.distributed.owners import on_owners
+
+            done = on_owners(ortho, u, cost=newton_schulz_cost, dtype=torch.bfloat16)
+        else:
+            done = ortho(list(u))
+        return [o.to(x.dtype) for o, x in zip(done, u)], s
 
     return leafwise(init, update)
 
