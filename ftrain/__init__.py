@@ -23,6 +23,7 @@ from ftrain.io import (
     save_checkpoint,
 )
 from ftrain.losses import Loss
+from ftrain.stack import stack, unstack
 from ftrain.state import TrainState, buffers_of, param_count, params_of, state_dict_of
 from ftrain.step import Gradients, Step, Transform, train_step
 from ftrain.transforms import (
@@ -32,6 +33,7 @@ from ftrain.transforms import (
     compile,
     ema,
     shard,
+    vmap,
     wrap,
 )
 from ftrain.version import __version__ as __version__
@@ -72,4 +74,7 @@ __all__ = [
     "models",
     "train_step",
     "wrap",
+    "stack",
+    "unstack",
+    "vmap",
 ]

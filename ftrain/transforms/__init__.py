@@ -6,6 +6,7 @@ from ftrain.transforms.checkpoint import Checkpoint, checkpoint
 from ftrain.transforms.compile import Compile, compile
 from ftrain.transforms.ema import Ema, ema
 from ftrain.transforms.shard import Shard, shard
+from ftrain.transforms.vmap import Vmap, vmap
 from ftrain.transforms.wrap import Wrap, wrap
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "Ema",
     "Shard",
     "StaticLossScale",
+    "Vmap",
     "Wrap",
     "accumulate",
     "autocast",
@@ -24,5 +26,6 @@ __all__ = [
     "compile",
     "ema",
     "shard",
+    "vmap",
     "wrap",
 ]
