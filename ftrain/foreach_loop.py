@@ -52,10 +52,12 @@ def per_tensor(name: str) -> Callable:
     if name in _SPECIAL:
         return _SPECIAL[name]
     base = name.rstrip("_")
-    fn = getattr(torch.Tensor, base + "_") if name.endswith("_") else getattr(torch, base)
-    if base in _KEYWORD_SCALAR:
+    if base in _KEYWORD_SCALAR:  # in place as out of place and a copy: vmap batches those
+        fn = getattr(torch, base)
+        if name.endswith("_"):
+            return lambda t, a, b, value=1: t.copy_(fn(t, a, b, value=value))
         return lambda t, a, b, value=1: fn(t, a, b, value=value)
-    return fn
+    return getattr(torch.Tensor, base + "_") if name.endswith("_") else getattr(torch, base)
 
 
 def _at(x: Any, i: int) -> Any:
@@ -68,13 +70,20 @@ class looped_foreach(TorchFunctionMode):  # noqa: N801 - used as a function: `wi
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
-        if not name.startswith(_PREFIX):
+        name = _KERNELS.get(func)
+        if name is None:
             return func(*args, **kwargs)
-        op = per_tensor(name[len(_PREFIX) :])
+        op = per_tensor(name)
         n = next(len(a) for a in args if isinstance(a, (list, tuple)))
         out = [
             op(*(_at(a, i) for a in args), **{k: _at(v, i) for k, v in kwargs.items()})
             for i in range(n)
         ]
         return None if name.endswith("_") else out
+
+
+# torch._foreach_<name> -> name, for every multi-tensor kernel torch has (a constant table: a
+# lookup by function object, which torch.compile traces)
+_KERNELS: dict[Callable, str] = {
+    getattr(torch, n): n[len(_PREFIX) :] for n in dir(torch) if n.startswith(_PREFIX)
+}

@@ -38,12 +38,18 @@ from ftrain.state import TrainState
 from ftrain.step import AutogradEngine, Step, StepFn, Transform
 from ftrain.step.func_engine import FuncEngine
 from ftrain.transforms.checkpoint import Checkpoint
-from ftrain.transforms.compile import Compile
 from ftrain.transforms.shard import Shard
 
 __all__ = ["Vmap", "vmap"]
 
 _FIELDS = ("params", "opt_state", "extra")
+
+_NO_COMPILE = (
+    "torch.compile traces torch.func.vmap without the per-tensor loop that ft.vmap runs the "
+    "step's multi-tensor kernels through (torch._foreach_div by a tensor has no vmap batching "
+    "rule, and dynamo applies no TorchFunctionMode to torch._foreach_* calls), so the compiled "
+    "step fails. Run ft.vmap(step) eagerly."
+)
 
 _NO_CHECKPOINT = (
     "torch.func (which ft.vmap differentiates with) refuses the saved-tensor hooks that "
@@ -79,11 +85,9 @@ class Vmap(Transform):
                     f"ft.vmap composes with ft.shard(step, 'ddp') only, not {t.strategy!r}: the "
                     "members are replicated on every process and the batch is split. Use 'ddp'."
                 )
-        if any(isinstance(t, Compile) for t in inner):
-            raise ValueError(
-                "ft.vmap after ft.compile would vmap a compiled function; apply ft.compile last: "
-                "ft.compile(ft.vmap(step))."
-            )
+
+    def compile_refusal(self) -> str | None:
+        return _NO_COMPILE
 
     def engine(self, engine):
         if not isinstance(engine, AutogradEngine):
@@ -115,6 +119,8 @@ class Vmap(Transform):
             leaves, _ = _flatten(state)
             run = torch.func.vmap(member, in_dims=(0, batch_axis), randomness="different")
             out, metrics = run(leaves, batch)
+            # an output that no member changed comes back expanded (stride 0): give it memory
+            out = [t.contiguous() if t.dim() and t.stride(0) == 0 else t for t in out]
             return _unflatten_with(structure[-1], out), metrics
 
         return vmapped
@@ -162,9 +168,9 @@ def vmap(step: Step, *, batch_axis: int | None = None) -> Step:
     Args:
         step: an ``ft.Step``. ``ft.accumulate``, ``ft.autocast``, ``ft.ema`` and
             ``ft.shard(step, "ddp")`` (members replicated on every process, the batch split
-            between them) compose, before or after; ``ft.compile`` after
-            (``ft.compile(ft.vmap(step))``, no recompiles across steps). ``ft.checkpoint`` is
-            refused in either order (``torch.func`` refuses saved-tensor hooks).
+            between them) compose, before or after. ``ft.checkpoint`` (``torch.func`` refuses
+            saved-tensor hooks) and ``ft.compile`` (see ``_NO_COMPILE``) are refused when the
+            step is built, in either order.
         batch_axis: None: every member trains on the same batch; 0: every tensor of the batch has
             a leading dimension of size K, and member i trains on its slice i.
 
