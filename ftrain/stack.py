@@ -36,18 +36,16 @@ def _flat(state: TrainState) -> dict[str, torch.Tensor]:
     return out
 
 
-def _from_flat(flat: dict[str, torch.Tensor]) -> TrainState:
-    fields: dict = {f: {} for f in _TREES}
-    for path, t in flat.items():
-        field, _, rest = path.partition(".")
-        if field in fields:
-            fields[field][rest] = t
-    return TrainState(
-        **{f: tree.from_flat(fields[f]) for f in _TREES},
-        step=flat["step"],
-        rng=flat["rng"],
-        batch_size=[],
-    )
+def _rebuilt(like: TrainState, leaves: list[torch.Tensor]) -> TrainState:
+    """A state with the structure of ``like`` (empty sub-trees included) holding ``leaves``, in
+    the order of :func:`_flat`."""
+    fields, i = {}, 0
+    for field in _TREES:
+        tdef = tree.structure(getattr(like, field))
+        n = len(tdef.paths)
+        fields[field] = tdef.unflatten(leaves[i : i + n])
+        i += n
+    return TrainState(**fields, step=leaves[i], rng=leaves[i + 1], batch_size=[])
 
 
 def _spec(t: torch.Tensor) -> str:
@@ -85,7 +83,17 @@ def stack(states: Sequence[TrainState]) -> TrainState:
     first = flats[0]
     for i, flat in enumerate(flats[1:], start=1):
         _check_same(first, flat, i)
-    return _from_flat({k: torch.stack([f[k] for f in flats]) for k in first})
+        for field in _TREES:  # the same leaves, but maybe other empty sub-trees
+            if tree.structure(getattr(states[i], field)) != tree.structure(
+                getattr(states[0], field)
+            ):
+                raise ValueError(
+                    f"ft.stack(states): state.{field} of states[{i}] has another structure than "
+                    "that of states[0] (empty entries differ); build both with the same optimizer "
+                    "and transforms."
+                )
+    ordered = [[f[k] for f in flats] for k in first]
+    return _rebuilt(states[0], [torch.stack(ts) for ts in ordered])
 
 
 def _check_same(first: dict, other: dict, i: int) -> None:
@@ -143,5 +151,5 @@ def unstack(state: TrainState) -> list[TrainState]:
     where no random numbers are drawn (see ``ft.vmap`` for dropout).
     """
     k = members(state)
-    flat = _flat(state)
-    return [_from_flat({key: t[i].clone() for key, t in flat.items()}) for i in range(k)]
+    leaves = list(_flat(state).values())
+    return [_rebuilt(state, [t[i].clone() for t in leaves]) for i in range(k)]

@@ -11,7 +11,7 @@ from _tiny import tiny_gpt
 
 
 def _states(k=3, opt=None):
-    opt = opt or ft.optim.adam(1e-3)
+    opt = opt or ft.optim.adamw(1e-3)  # a chain with an empty state entry (weight decay)
     return [ft.TrainState.create(ft.params_of(tiny_gpt(seed=i)), opt, seed=i) for i in range(k)]
 
 
@@ -54,12 +54,12 @@ def test_extra_is_stacked_too():
 
 def test_a_structure_mismatch_names_the_first_differing_key():
     a, b = _states(2)
-    other = ft.TrainState.create(ft.params_of(tiny_gpt(n_layer=1)), ft.optim.adam(1e-3))
+    other = ft.TrainState.create(ft.params_of(tiny_gpt(n_layer=1)), ft.optim.adamw(1e-3))
     with pytest.raises(ValueError, match=r"states\[1\] has no 'params.blocks.1.ln_1.weight'"):
         ft.stack([a, other])
     with pytest.raises(ValueError, match=r"states\[1\] has 'params.blocks.1.ln_1.weight'"):
         ft.stack([other, a])
-    wide = ft.TrainState.create(ft.params_of(tiny_gpt(d_model=16)), ft.optim.adam(1e-3))
+    wide = ft.TrainState.create(ft.params_of(tiny_gpt(d_model=16)), ft.optim.adamw(1e-3))
     with pytest.raises(ValueError, match=r"'params.wte.weight' is float32\[64, 32\].*\[64, 16\]"):
         ft.stack([a, wide])
     sgd = ft.TrainState.create(ft.params_of(tiny_gpt()), ft.optim.sgd(0.1))

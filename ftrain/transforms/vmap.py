@@ -27,7 +27,8 @@ import dataclasses
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_leaves
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
 
 from ftrain import rng, tree
 from ftrain.distributed.launch import rank_and_world
@@ -110,7 +111,7 @@ class Vmap(Transform):
             def member(leaves, member_batch):
                 s = _unflatten(state, leaves)
                 key = rng.fold_in(rng.fold_in(s.rng, s.step), salt)
-                with keyed_dropout(key), looped_foreach():
+                with keyed_dropout(key), looped_foreach(), _batched_all_reduce():
                     new, metrics = fn(s, member_batch)
                 out, defs = _flatten(new)
                 structure.append(defs)
@@ -124,6 +125,40 @@ class Vmap(Transform):
             return _unflatten_with(structure[-1], out), metrics
 
         return vmapped
+
+
+class _AllReduce(torch.autograd.Function):
+    """``dist.all_reduce`` out of place, with a vmap rule: the members' buffers are reduced as one
+    tensor, in one collective (c10d's in-place op has no batching rule)."""
+
+    @staticmethod
+    def forward(t, op, group):
+        out = t.clone()
+        dist.all_reduce(out, op=op, group=group)
+        return out
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass  # the step never differentiates through its reduction
+
+    @staticmethod
+    def vmap(info, in_dims, t, op, group):
+        return _AllReduce.forward(t, op, group), in_dims[0]
+
+
+class _batched_all_reduce(TorchFunctionMode):  # noqa: N801 - used as a function
+    """``dist.all_reduce(t)`` inside the vmapped step (``ft.shard``'s reduction) as
+    :class:`_AllReduce`, written back into ``t``."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is dist.all_reduce:
+            t = args[0] if args else kwargs["tensor"]
+            op = kwargs.get("op", args[1] if len(args) > 1 else dist.ReduceOp.SUM)
+            group = kwargs.get("group", args[2] if len(args) > 2 else None)
+            t.copy_(_AllReduce.apply(t, op, group))
+            return None
+        return func(*args, **kwargs)
 
 
 def _flatten(state: TrainState) -> tuple[list[torch.Tensor], tuple]:
@@ -149,9 +184,20 @@ def _unflatten(like: TrainState, leaves: list[torch.Tensor]) -> TrainState:
     return _unflatten_with(_flatten(like)[1], leaves)
 
 
+def _tensors(batch: Any) -> list[torch.Tensor]:
+    """The tensors of a batch (a tensor, or dicts, lists and tuples of them)."""
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, dict):
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):
+        return [t for b in batch for t in _tensors(b)]
+    return []
+
+
 def _check_batch(batch: Any, k: int) -> None:
     """With ``batch_axis=0``: every tensor of the batch has a leading member dimension of size K."""
-    for t in tree_leaves(batch):
+    for t in _tensors(batch):
         if isinstance(t, torch.Tensor) and (t.dim() == 0 or t.shape[0] != k):
             raise ValueError(
                 f"ft.vmap(step, batch_axis=0): the batch holds a tensor of shape {list(t.shape)}, "
