@@ -6,8 +6,11 @@ shared batch (``batch_axis=None``) or its own slice of it (``batch_axis=0``).
 Two hooks of the public protocol do it: ``engine`` swaps the gradient engine for
 :class:`~ftrain.step.FuncEngine` (``torch.autograd.grad`` cannot run inside ``torch.func.vmap``;
 ``torch.func.grad`` can), and ``wrap`` runs the step function under ``torch.func.vmap`` with the
-state's leaves batched along their first dimension. Every other hook of every other transform
-runs per member, inside.
+state's leaves batched along their first dimension. The hooks that act inside the step (split,
+forward contexts, reduce, gradients, the optimizer) run per member, inside; ``init`` and
+``around_step`` see the stacked state. Inside, ``torch._foreach_*`` kernels run per tensor
+(``ftrain.foreach_loop``: vmap cannot batch some of them) and ``ft.shard``'s all-reduce runs once
+on the members' buffers together.
 
 Randomness: inside the vmapped step, dropout (``F.dropout``, ``nn.Dropout`` and the ``dropout_p``
 of ``F.scaled_dot_product_attention``) draws its masks from member i's own key with
