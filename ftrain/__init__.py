@@ -24,6 +24,7 @@ from ftrain.io import (
 )
 from ftrain.losses import Loss
 from ftrain.per_example import per_example_grads
+from ftrain.stack import stack, unstack
 from ftrain.state import TrainState, buffers_of, param_count, params_of, state_dict_of
 from ftrain.step import Gradients, Step, Transform, train_step
 from ftrain.transforms import (
@@ -34,6 +35,7 @@ from ftrain.transforms import (
     dp_sgd,
     ema,
     shard,
+    vmap,
     wrap,
 )
 from ftrain.version import __version__ as __version__
@@ -76,4 +78,7 @@ __all__ = [
     "models",
     "train_step",
     "wrap",
+    "stack",
+    "unstack",
+    "vmap",
 ]

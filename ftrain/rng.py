@@ -39,9 +39,10 @@ def mix(*xs: int) -> int:
 
 
 def step_seed(state, *salt: int) -> int:
-    """The seed of ``state``'s step: ``mix(state.rng, state.step, *salt)``. ``int()`` of the two
-    0-d CPU tensors reads host memory, not a device: ``TrainState`` keeps them on the CPU."""
-    return mix(int(state.rng), int(state.step), *salt)
+    """The seed of ``state``'s step: ``mix(state.rng, state.step, *salt)``; for a stacked state
+    (``ft.stack``: one key and step per member) every member's key, then every member's step.
+    Reading the CPU tensors reads host memory, not a device: ``TrainState`` keeps them there."""
+    return mix(*state.rng.reshape(-1).tolist(), *state.step.reshape(-1).tolist(), *salt)
 
 
 def _generators(device: torch.device) -> list[torch.Generator]:

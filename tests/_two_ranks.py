@@ -125,6 +125,14 @@ def dp_model():
 RESUMED = [("adamw", "zero2"), ("adamw", "fsdp"), ("adafactor", "zero1"), ("adafactor", "fsdp")]
 
 
+def vmap_members(opt, k=2):
+    """``k`` states of ``gpt(bias=False)`` with different initial params and seeds."""
+    return [
+        ft.TrainState.create(ft.params_of(gpt(bias=False, seed=i)), opt, seed=7 + i)
+        for i in range(k)
+    ]
+
+
 def run(step, state, data, rank=None):
     for b in data:
         state, metrics = step(state, b if rank is None else rows_of(b, rank))
@@ -265,6 +273,13 @@ def on_two_ranks(tmp: str) -> dict:
             whole(unshard_state(before)),
             whole(unshard_state(after)),
         )
+
+    # 8. ft.vmap under ddp: members replicated, the batch split (test_transforms_vmap.py)
+    model = gpt(bias=False)
+    step = shard(ft.vmap(ft.train_step(lm_loss(model), adamw())), "ddp")
+    state = shard_state(ft.stack(vmap_members(adamw())), "ddp")
+    state, metrics = run(step, state, data, rank)
+    out["vmap"] = (whole(state), {k: v.clone() for k, v in metrics.items()})
 
     # 7. mistakes that are caught
     errors = {}

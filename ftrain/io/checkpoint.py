@@ -130,7 +130,7 @@ def save(state: TrainState, path: str | os.PathLike, *, extra: Mapping | None = 
         meta = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
-            "step": int(state.step),
+            "step": int(state.step.max()),  # a stacked state's: its furthest member's
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
             "versions": _versions(),
             "files": files,

@@ -64,9 +64,11 @@ def flatten(state: TrainState) -> tuple[dict, dict[str, torch.Tensor], dict[str,
     other one, as safetensors requires. Raises :class:`CheckpointError` naming any entry that a
     checkpoint cannot hold.
     """
-    if state.step.numel() != 1 or state.step.dim() != 0:
+    # 0-d, or one per member of a stacked state (ft.stack), as rng is
+    if state.step.dim() > 1 or state.step.shape != state.rng.shape:
         raise CheckpointError(
-            f"ft.save: state.step must be a 0-d tensor, got shape {tuple(state.step.shape)}."
+            f"ft.save: state.step must be a 0-d tensor (or, in a state built by ft.stack, one "
+            f"per member, shaped like state.rng), got shape {tuple(state.step.shape)}."
         )
     tree: dict[str, Any] = {}
     params: dict[str, torch.Tensor] = {}

@@ -8,12 +8,14 @@
 """
 
 from ftrain.step.engine import AutogradEngine, BackwardPlan, GradEngine, Grads, backward_plan
+from ftrain.step.func_engine import FuncEngine
 from ftrain.step.record import Step, train_step
 from ftrain.step.transform import Gradients, StepFn, Transform
 
 __all__ = [
     "AutogradEngine",
     "BackwardPlan",
+    "FuncEngine",
     "GradEngine",
     "Gradients",
     "Grads",

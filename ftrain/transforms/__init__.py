@@ -7,6 +7,7 @@ from ftrain.transforms.compile import Compile, compile
 from ftrain.transforms.dp_sgd import DpSgd, dp_sgd
 from ftrain.transforms.ema import Ema, ema
 from ftrain.transforms.shard import Shard, shard
+from ftrain.transforms.vmap import Vmap, vmap
 from ftrain.transforms.wrap import Wrap, wrap
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "Ema",
     "Shard",
     "StaticLossScale",
+    "Vmap",
     "Wrap",
     "accumulate",
     "autocast",
@@ -27,5 +29,6 @@ __all__ = [
     "dp_sgd",
     "ema",
     "shard",
+    "vmap",
     "wrap",
 ]
