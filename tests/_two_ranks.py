@@ -274,14 +274,14 @@ def on_two_ranks(tmp: str) -> dict:
             whole(unshard_state(after)),
         )
 
-    # 8. ft.vmap under ddp: members replicated, the batch split (test_transforms_vmap.py)
+    # 7. ft.vmap under ddp: members replicated, the batch split (test_transforms_vmap.py)
     model = gpt(bias=False)
     step = shard(ft.vmap(ft.train_step(lm_loss(model), adamw())), "ddp")
     state = shard_state(ft.stack(vmap_members(adamw())), "ddp")
     state, metrics = run(step, state, data, rank)
     out["vmap"] = (whole(state), {k: v.clone() for k, v in metrics.items()})
 
-    # 7. mistakes that are caught
+    # 8. mistakes that are caught
     errors = {}
     model = gpt()
     plain = ft.TrainState.create(ft.params_of(model), sgd())
@@ -303,7 +303,7 @@ def on_two_ranks(tmp: str) -> dict:
         ft.compile(shard(ft.train_step(lm_loss(model), sgd()), strategy))
     out["errors"] = errors
 
-    # 8. ft.dp_sgd: the noise is drawn alike on every rank and added once, after the reduction
+    # 9. ft.dp_sgd: the noise is drawn alike on every rank and added once, after the reduction
     for strategy in ("ddp", "zero2"):
         model = dp_model()
         opt = ft.optim.sgd(1.0)
