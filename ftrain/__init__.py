@@ -23,6 +23,7 @@ from ftrain.io import (
     save_checkpoint,
 )
 from ftrain.losses import Loss
+from ftrain.per_example import per_example_grads
 from ftrain.stack import stack, unstack
 from ftrain.state import TrainState, buffers_of, param_count, params_of, state_dict_of
 from ftrain.step import Gradients, Step, Transform, train_step
@@ -31,6 +32,7 @@ from ftrain.transforms import (
     autocast,
     checkpoint,
     compile,
+    dp_sgd,
     ema,
     shard,
     vmap,
@@ -55,6 +57,8 @@ __all__ = [
     "checkpoint",
     "compile",
     "ema",
+    "dp_sgd",
+    "per_example_grads",
     "Step",
     "Transform",
     "Gradients",

@@ -93,6 +93,14 @@ CONFIGS = {
 }
 DONATED = ("adamw", "adafactor, donated")  # in place, as the CLI runs them
 
+# ft.dp_sgd under shard: the noise's bound and multiplier (clipped examples and noise both matter)
+DP_CLIP, DP_NOISE = 0.05, 1.0
+
+
+def dp_model():
+    return gpt(bias=False)
+
+
 RESUMED = [("adamw", "zero2"), ("adamw", "fsdp"), ("adafactor", "zero1"), ("adafactor", "fsdp")]
 
 
@@ -256,4 +264,21 @@ def on_two_ranks(tmp: str) -> dict:
     for strategy in ("ddp", "zero1", "zero2"):  # these compile (built here, not run)
         ft.compile(shard(ft.train_step(lm_loss(model), sgd()), strategy))
     out["errors"] = errors
+
+    # 8. ft.dp_sgd: the noise is drawn alike on every rank and added once, after the reduction
+    for strategy in ("ddp", "zero2"):
+        model = dp_model()
+        opt = ft.optim.sgd(1.0)
+        step = shard(ft.dp_sgd(ft.train_step(lm_loss(model), opt), DP_CLIP, DP_NOISE), strategy)
+        state = shard_state(ft.TrainState.create(ft.params_of(model), opt), strategy)
+        state, metrics = run(step, state, data, rank)
+        out["dp_sgd", strategy] = {
+            "params": whole(unshard_state(state))["params"],
+            "count": int(metrics["count"]),
+            "noise_std": metrics["noise_std"].clone(),
+        }
+    try:
+        shard(ft.dp_sgd(ft.train_step(lm_loss(model), sgd()), DP_CLIP, DP_NOISE), "fsdp")
+    except ValueError as e:
+        errors["dp_sgd with fsdp"] = str(e)
     return out

@@ -4,6 +4,7 @@ from ftrain.transforms.accumulate import Accumulate, accumulate
 from ftrain.transforms.autocast import Autocast, DynamicLossScale, StaticLossScale, autocast
 from ftrain.transforms.checkpoint import Checkpoint, checkpoint
 from ftrain.transforms.compile import Compile, compile
+from ftrain.transforms.dp_sgd import DpSgd, dp_sgd
 from ftrain.transforms.ema import Ema, ema
 from ftrain.transforms.shard import Shard, shard
 from ftrain.transforms.vmap import Vmap, vmap
@@ -14,6 +15,7 @@ __all__ = [
     "Autocast",
     "Checkpoint",
     "Compile",
+    "DpSgd",
     "DynamicLossScale",
     "Ema",
     "Shard",
@@ -24,6 +26,7 @@ __all__ = [
     "autocast",
     "checkpoint",
     "compile",
+    "dp_sgd",
     "ema",
     "shard",
     "vmap",
