@@ -54,6 +54,27 @@ def interleaved(fns: dict[str, Callable[[], object]], repeats: int, warmup: int 
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def rounds(fns: dict[str, Callable[[], None]], n_rounds: int) -> dict[str, dict]:
+    """Median wall and CPU seconds per call of each function over ``n_rounds`` rounds, each
+    round one call of every function, the order rotating from round to round (A B C, B C A, ...):
+    a change in machine load lands on all of them alike."""
+    for f in fns.values():  # warm-up: first-call allocations, lazy inits
+        f()
+        f()
+    names = list(fns)
+    wall: dict[str, list[float]] = {k: [] for k in names}
+    cpu: dict[str, list[float]] = {k: [] for k in names}
+    for r in range(n_rounds):
+        for k in names[r % len(names) :] + names[: r % len(names)]:
+            w, c = time.perf_counter(), time.process_time()
+            fns[k]()
+            cpu[k].append(time.process_time() - c)
+            wall[k].append(time.perf_counter() - w)
+    return {
+        k: {"wall": statistics.median(wall[k]), "cpu": statistics.median(cpu[k])} for k in names
+    }
+
+
 def write_section(title: str, body: str) -> None:
     """Replace (or append) the ``## title`` section of RESULTS.md with ``body``."""
     text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"

@@ -38,13 +38,11 @@ import argparse
 import copy
 import math
 import os
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from _common import machine, write_section  # benchmarks/_common.py, beside this script
+from _common import machine, rounds, write_section  # benchmarks/_common.py, beside this script
 
 import ftrain as ft
 from ftrain.models import GPT, GPTConfig
@@ -143,27 +141,6 @@ def ftrain_side(model: GPT, data: dict, donate: bool) -> Callable[[], None]:
 
 
 # -- timing ----------------------------------------------------------------------------------------
-
-
-def rounds(fns: dict[str, Callable[[], None]], n_rounds: int) -> dict[str, dict]:
-    """Median wall and CPU seconds per call of each function over ``n_rounds`` rounds, each
-    round one call of every function, the order rotating from round to round (A B C, B C A, ...):
-    a change in machine load lands on all of them alike."""
-    for f in fns.values():  # warm-up: first-call allocations, lazy inits
-        f()
-        f()
-    names = list(fns)
-    wall: dict[str, list[float]] = {k: [] for k in names}
-    cpu: dict[str, list[float]] = {k: [] for k in names}
-    for r in range(n_rounds):
-        for k in names[r % len(names) :] + names[: r % len(names)]:
-            w, c = time.perf_counter(), time.process_time()
-            fns[k]()
-            cpu[k].append(time.process_time() - c)
-            wall[k].append(time.perf_counter() - w)
-    return {
-        k: {"wall": statistics.median(wall[k]), "cpu": statistics.median(cpu[k])} for k in names
-    }
 
 
 def step_rows(sizes: dict, n_rounds: int) -> tuple[list[str], list[str]]:
