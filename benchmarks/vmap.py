@@ -1,6 +1,6 @@
 """ft.vmap, ft.per_example_grads and ft.dp_sgd against the loops they replace, same models and data.
 
-    python benchmarks/vmap.py            # ~5 minutes on a 2-core CPU; writes two RESULTS.md sections
+    python benchmarks/vmap.py            # ~3 minutes on a 2-core CPU; writes two RESULTS.md sections
     python benchmarks/vmap.py --quick    # a smoke run at tiny sizes, nothing written
 
 Sides, each on ftrain's GPT (dropout 0):
