@@ -46,6 +46,8 @@ TARGET = 2.5  # vmapped throughput / sequential throughput, tiny GPT
 TINY = dict(d_model=64, n_layer=2, n_head=4, seq_len=32, batch=8, members=8)
 DEFAULT = TrainConfig()  # `ftrain train`'s model: d=128, 4 blocks, 2 heads, seq 128, batch 16
 QUICK_TINY = dict(d_model=32, n_layer=1, n_head=4, seq_len=16, batch=4, members=3)
+# a step that is mostly Python and dispatch, where batching K steps into one can pay most
+SMALL = dict(d_model=32, n_layer=1, n_head=2, seq_len=16, batch=2, members=8)
 # Why the ensemble ratio is what it is (from the profile tables this script writes, and cProfile
 # of the same steps); the numbers are in the tables.
 NOTES = """Where the ratio comes from. One vmapped step saves the fixed costs of K - 1 plain steps
@@ -73,12 +75,18 @@ class Size:
     profile_steps: int
 
 
+def _config(size: dict) -> GPTConfig:
+    cfg = GPTConfig(**{k: size[k] for k in ("d_model", "n_layer", "n_head", "seq_len")})
+    return dataclasses.replace(cfg, dropout=0.0)
+
+
 def sizes(quick: bool, n_rounds: int) -> list[Size]:
     tiny = QUICK_TINY if quick else TINY
-    tiny_cfg = GPTConfig(**{k: tiny[k] for k in ("d_model", "n_layer", "n_head", "seq_len")})
-    tiny_cfg = dataclasses.replace(tiny_cfg, dropout=0.0)
-    out = [Size("tiny", tiny_cfg, tiny["batch"], tiny["members"], 3 * n_rounds, 10)]
+    out = [Size("tiny", _config(tiny), tiny["batch"], tiny["members"], 3 * n_rounds, 10)]
     if not quick:
+        out.append(
+            Size("small", _config(SMALL), SMALL["batch"], SMALL["members"], 3 * n_rounds, 10)
+        )
         default_cfg = build_model(DEFAULT).config
         out.append(Size("default", default_cfg, DEFAULT.batch_size, 8, n_rounds, 3))
     return out
@@ -192,9 +200,10 @@ def scaling_row(size: Size, vmap_k_cpu: float) -> str:
     return row
 
 
-def ensemble_profile(size: Size) -> list[str]:
+def ensemble_profile(size: Size) -> tuple[list[str], float]:
     """Self CPU µs per step of each op (torch.profiler): the vmapped step against the K
-    sequential steps (shared batch), the ops where they differ most first."""
+    sequential steps (shared batch), the ops where they differ most first; and the ceiling of
+    the ratio, the sequential steps' total over their time inside ops (see NOTES)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     sides = ensemble_sides(size)
@@ -223,7 +232,7 @@ def ensemble_profile(size: Size) -> list[str]:
     keys = [total, outside, *ranked[:14]]
     rows = [f"| {x} | {a.get(x, 0.0):.0f} | {b.get(x, 0.0):.0f} | {diff[x]:+.0f} |" for x in keys]
     print("\n".join(rows), flush=True)
-    return rows
+    return rows, a[total] / (a[total] - a[outside])
 
 
 # -- per-example gradients and DP-SGD ------------------------------------------------------------
@@ -305,13 +314,14 @@ def main() -> None:
     load = os.getloadavg()[0]
     print(machine(), f"load {load:.1f}", flush=True)
 
-    rows, scaling, profiles, missing = [], [], {}, set()
+    rows, scaling, profiles, ceilings, missing = [], [], {}, [], set()
     for size in sizes(args.quick, n_rounds):
         r, m, vmap_cpu = ensemble_rows(size)
         rows += r
         missing |= m
         scaling.append(scaling_row(size, vmap_cpu))
-        profiles[size.name] = ensemble_profile(size)
+        profiles[size.name], cap = ensemble_profile(size)
+        ceilings.append(f"| {size.name} | {cap:.2f} | {r[0].split('|')[5].strip()} |")
     tiny = sizes(args.quick, n_rounds)[0]
     ratios, times = per_example_rows(tiny.config, 3 * n_rounds)
     load_end = os.getloadavg()[0]
@@ -354,6 +364,16 @@ grows.
 {chr(10).join(scaling)}
 
 {NOTES}
+
+The ceiling. A vmapped step runs the same arithmetic as the K plain steps; what it can save is
+their time outside the kernels (Python, dispatch, TensorDict flattening). If it saved all of it
+and its batched kernels were exactly as fast, its ratio would be the sequential steps' total
+time over their time inside ops, from the profiles below (an estimate: the profiler adds a cost
+of its own to every op):
+
+| size | ceiling: sequential total / time in ops | measured ratio, shared batch |
+| --- | ---: | ---: |
+{chr(10).join(ceilings)}
 
 torch warned that these ops have no vmap batching rule and ran them member by member:
 {", ".join(f"`{m}`" for m in sorted(missing)) or "none"}.
