@@ -33,9 +33,8 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-from ftrain import rng, tree
+from ftrain import foreach, rng, tree
 from ftrain.distributed.launch import rank_and_world
-from ftrain.foreach_loop import looped_foreach
 from ftrain.keyed_dropout import keyed_dropout
 from ftrain.stack import members
 from ftrain.state import TrainState
@@ -47,13 +46,6 @@ from ftrain.transforms.shard import Shard
 __all__ = ["Vmap", "vmap"]
 
 _FIELDS = ("params", "opt_state", "extra")
-
-_NO_COMPILE = (
-    "torch.compile traces torch.func.vmap without the per-tensor loop that ft.vmap runs the "
-    "step's multi-tensor kernels through (torch._foreach_div by a tensor has no vmap batching "
-    "rule, and dynamo applies no TorchFunctionMode to torch._foreach_* calls), so the compiled "
-    "step fails. Run ft.vmap(step) eagerly."
-)
 
 _NO_CHECKPOINT = (
     "torch.func (which ft.vmap differentiates with) refuses the saved-tensor hooks that "
@@ -69,6 +61,7 @@ class Vmap(Transform):
     batch_axis: int | None = None
 
     once = True
+    wrap_order = -1  # innermost: ft.compile, applied before or after, compiles the vmapped step
 
     def __post_init__(self) -> None:
         if self.batch_axis is not None and (
@@ -89,9 +82,6 @@ class Vmap(Transform):
                     f"ft.vmap composes with ft.shard(step, 'ddp') only, not {t.strategy!r}: the "
                     "members are replicated on every process and the batch is split. Use 'ddp'."
                 )
-
-    def compile_refusal(self) -> str | None:
-        return _NO_COMPILE
 
     def engine(self, engine):
         if not isinstance(engine, AutogradEngine):
@@ -114,7 +104,7 @@ class Vmap(Transform):
             def member(leaves, member_batch):
                 s = _unflatten(state, leaves)
                 key = rng.fold_in(rng.fold_in(s.rng, s.step), salt)
-                with keyed_dropout(key), looped_foreach(), _batched_all_reduce():
+                with keyed_dropout(key), _batched_all_reduce():
                     new, metrics = fn(s, member_batch)
                 out, defs = _flatten(new)
                 structure.append(defs)
@@ -122,7 +112,8 @@ class Vmap(Transform):
 
             leaves, _ = _flatten(state)
             run = torch.func.vmap(member, in_dims=(0, batch_axis), randomness="different")
-            out, metrics = run(leaves, batch)
+            with foreach.looped():  # set outside vmap: dynamo traces the flag into the body
+                out, metrics = run(leaves, batch)
             # an output that no member changed comes back expanded (stride 0): give it memory
             out = [t.contiguous() if t.dim() and t.stride(0) == 0 else t for t in out]
             return _unflatten_with(structure[-1], out), metrics
