@@ -8,8 +8,8 @@ the kernels (e.g. ``_foreach_div`` by a tensor). Eager, the loop costs one Pytho
 tensor; under ``torch.compile`` it is traced into the graph.
 
 Why a flag read by ftrain's own call sites and not a ``TorchFunctionMode`` over ``torch``: dynamo
-does not apply such a mode to the ops inside a ``torch.func.vmap`` body it traces, so a compiled
-vmapped step would call the kernels vmap cannot batch. The flag is a :class:`~ftrain.scoped.Scoped`
+applies no such mode to the ``torch._foreach_*`` calls it traces, so a compiled vmapped step would
+call the kernels vmap cannot batch. The flag is a :class:`~ftrain.scoped.Scoped`
 value, which dynamo reads (and guards on) like any ``threading.local``. Outside ``looped()`` each
 function costs one Python call and one thread-local read over the kernel itself.
 

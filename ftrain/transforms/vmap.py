@@ -8,9 +8,10 @@ Two hooks of the public protocol do it: ``engine`` swaps the gradient engine for
 ``torch.func.grad`` can), and ``wrap`` runs the step function under ``torch.func.vmap`` with the
 state's leaves batched along their first dimension. The hooks that act inside the step (split,
 forward contexts, reduce, gradients, the optimizer) run per member, inside; ``init`` and
-``around_step`` see the stacked state. Inside, ``torch._foreach_*`` kernels run per tensor
-(``ftrain.foreach_loop``: vmap cannot batch some of them) and ``ft.shard``'s all-reduce runs once
-on the members' buffers together.
+``around_step`` see the stacked state. Inside, ftrain's multi-tensor kernels run per tensor
+(``ftrain.foreach.looped``: vmap cannot batch some of them) and ``ft.shard``'s all-reduce runs
+once on the members' buffers together. The ``wrap`` is the innermost of the step's
+(``wrap_order``), so ``ft.compile`` compiles the vmapped step whichever was applied first.
 
 Randomness: inside the vmapped step, dropout (``F.dropout``, ``nn.Dropout`` and the ``dropout_p``
 of ``F.scaled_dot_product_attention``) draws its masks from member i's own key with
@@ -208,9 +209,10 @@ def vmap(step: Step, *, batch_axis: int | None = None) -> Step:
     Args:
         step: an ``ft.Step``. ``ft.accumulate``, ``ft.autocast``, ``ft.ema`` and
             ``ft.shard(step, "ddp")`` (members replicated on every process, the batch split
-            between them) compose, before or after. ``ft.checkpoint`` (``torch.func`` refuses
-            saved-tensor hooks) and ``ft.compile`` (see ``_NO_COMPILE``) are refused when the
-            step is built, in either order.
+            between them) compose, before or after. ``ft.compile``, before or after, compiles the
+            vmapped step (``torch.func.vmap`` inside the compiled function) with no recompiles.
+            ``ft.checkpoint`` is refused when the step is built, in either order
+            (``torch.func`` refuses saved-tensor hooks).
         batch_axis: None: every member trains on the same batch; 0: every tensor of the batch has
             a leading dimension of size K, and member i trains on its slice i.
 
