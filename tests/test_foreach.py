@@ -12,6 +12,10 @@ def _lists(seed=0):
     return [torch.randn(3, 2, generator=g), torch.randn(5, generator=g)]
 
 
+def _positive(seed):
+    return [x.abs() + 0.1 for x in _lists(seed)]
+
+
 def test_every_function_is_its_kernel_and_its_loop_gives_the_same_results():
     xs, ys = _lists(0), _lists(1)
     s = torch.tensor(1.5)
@@ -54,10 +58,6 @@ def test_in_place_functions_write_and_return_their_first_list():
             assert getattr(foreach, name)(got, *args) is got
         for a, b, c in zip(got, fused, want):
             assert torch.equal(a, c) and torch.equal(b, c), name
-
-
-def _positive(seed):
-    return [x.abs() + 0.1 for x in _lists(seed)]
 
 
 def test_the_loop_ends_with_its_block():
