@@ -157,6 +157,25 @@ def test_checkpoint_is_refused_when_built():
         ft.vmap(step, batch_axis=1)
 
 
+def test_wrap_hooks_see_the_stacked_state_in_either_order():
+    """ft.vmap's wrap is innermost (wrap_order): an ft.wrap applied before it wraps the vmapped
+    step too."""
+    opt = _opt()
+    step, state = _step(opt), ft.stack(_members(opt, LRS[:2]))
+    seen = []
+
+    def spy(inner):
+        def fn(s, batch):
+            seen.append(tuple(s.step.shape))
+            return inner(s, batch)
+
+        return fn
+
+    for spied in (ft.vmap(ft.wrap(step, spy)), ft.wrap(ft.vmap(step), spy)):
+        spied(state, BATCHES[0])
+    assert seen == [(2,), (2,)]
+
+
 def test_compile_in_either_order_equals_the_eager_vmapped_step_without_recompiles():
     """ft.vmap's wrap is innermost, so both orders compile the vmapped step. With dropout on (the
     keyed masks are traced into the graph) they equal the eager vmapped step over 4 steps, and
