@@ -45,6 +45,24 @@ def test_under_vmap_each_key_gives_its_own_masks_independent_of_the_others():
     assert not torch.equal(many[0][0], many[0][1])
 
 
+def test_a_compiled_vmap_applies_the_block_in_its_graph():
+    """Dynamo traces the mode entered inside the vmapped function (fullgraph: no fallback to
+    eager), so the compiled masks are the keyed ones, not torch's generators'."""
+    x = torch.randn(2, 3, 8, 4)  # (B, heads, T, hs)
+
+    def f(key):
+        with keyed_dropout(key):
+            return F.dropout(x, 0.2), F.scaled_dot_product_attention(
+                x, x, x, is_causal=True, dropout_p=0.3
+            )
+
+    keys = torch.tensor([5, 9])
+    want = torch.func.vmap(f)(keys)
+    got = torch.compile(torch.func.vmap(f), backend="eager", fullgraph=True)(keys)
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_attention_without_dropout_matches_sdpa(causal):
     g = torch.Generator().manual_seed(0)

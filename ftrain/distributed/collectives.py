@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from ftrain import foreach
 from ftrain.distributed.dtensor import dtensor, from_local, is_dtensor, local, placements_of
 
 __all__ = [
@@ -144,7 +145,7 @@ def all_reduce_flat(
                 for b, part in zip(bucket, parts):
                     out[b] = part.view(tensors[b].shape)
                 if in_place:
-                    torch._foreach_copy_([tensors[b] for b in bucket], [out[b] for b in bucket])
+                    foreach.copy_([tensors[b] for b in bucket], [out[b] for b in bucket])
                 bucket, size = [], 0
             if t is not None:
                 bucket.append(i)

@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from ftrain import tree
+from ftrain import foreach, tree
 from ftrain.tree import TreeDef
 
 __all__ = [
@@ -310,7 +310,7 @@ def all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
     host sync."""
     if not tensors:
         return torch.ones((), dtype=torch.bool)
-    norms = torch._foreach_norm(tensors, ord=float("inf"))
+    norms = foreach.norm(tensors, ord=float("inf"))
     finite = torch.stack(norms).isfinite().all()
     # of sharded (DTensor) tensors: a replicated DTensor; the same value as a plain tensor
     return finite.full_tensor() if hasattr(finite, "full_tensor") else finite

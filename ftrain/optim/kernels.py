@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ftrain import foreach
 from ftrain.optim.base import LeafContext
 
 __all__ = ["zero_count", "mul", "add_", "check_same_keys", "norms_and_roots"]
@@ -18,18 +19,18 @@ def zero_count() -> torch.Tensor:
 def mul(u: list[torch.Tensor], factor, owned: bool) -> list[torch.Tensor]:
     """``u * factor``, in place when the update tensors are ours to overwrite."""
     if owned:
-        torch._foreach_mul_(u, factor)
+        foreach.mul_(u, factor)
         return u
-    return list(torch._foreach_mul(u, factor))
+    return list(foreach.mul(u, factor))
 
 
 def add_(u: list[torch.Tensor], value: torch.Tensor) -> None:
     """``u += value`` for a 0-d tensor ``value``. Dynamo turns the single-tensor overload into a
     host read (a graph break), so while compiling it is given as a list."""
     if torch.compiler.is_compiling():
-        torch._foreach_add_(u, [value] * len(u))
+        foreach.add_(u, [value] * len(u))
     else:
-        torch._foreach_add_(u, value)
+        foreach.add_(u, value)
 
 
 def check_same_keys(ctx: LeafContext, fn: str, *names: str) -> None:
@@ -44,6 +45,6 @@ def check_same_keys(ctx: LeafContext, fn: str, *names: str) -> None:
 
 def norms_and_roots(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """1-d float64 tensors: each tensor's L2 norm (one multi-tensor kernel) and ``sqrt(numel)``."""
-    norms = torch.stack(torch._foreach_norm(tensors)).to(torch.float64)
+    norms = torch.stack(foreach.norm(tensors)).to(torch.float64)
     roots = torch.tensor([t.numel() ** 0.5 for t in tensors], dtype=torch.float64)
     return norms, roots.to(norms.device)

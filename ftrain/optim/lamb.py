@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ftrain import tree
+from ftrain import foreach, tree
 from ftrain.optim.base import GradientTransformation, chain, empty_state
 from ftrain.optim.checks import check_lr, check_range, checked
 from ftrain.optim.transforms import add_decayed_weights, scale_by_adam, scale_by_learning_rate
@@ -21,15 +21,15 @@ def scale_by_trust_ratio(min_norm: float = 0.0) -> GradientTransformation:
         if params is None:
             raise ValueError("scale_by_trust_ratio needs params: update(updates, state, params).")
         u = tree.leaves(updates)
-        p_norm = torch.stack(torch._foreach_norm(tree.leaves(params)))
-        u_norm = torch.stack(torch._foreach_norm(u))
+        p_norm = torch.stack(foreach.norm(tree.leaves(params)))
+        u_norm = torch.stack(foreach.norm(u))
         ok = (p_norm > min_norm) & (u_norm > min_norm)
         ratio = torch.where(ok, p_norm / u_norm.clamp_min(torch.finfo(u_norm.dtype).tiny), 1.0)
         factors = list(ratio.unbind())
         if inplace:
-            torch._foreach_mul_(u, factors)
+            foreach.mul_(u, factors)
             return updates, state
-        return tree.unflatten(updates, torch._foreach_mul(u, factors)), state
+        return tree.unflatten(updates, foreach.mul(u, factors)), state
 
     return GradientTransformation(lambda params: empty_state(), update)
 

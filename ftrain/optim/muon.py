@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from ftrain import tree
+from ftrain import foreach, tree
 from ftrain.optim.base import GradientTransformation, chain, empty_state, leafwise
 from ftrain.optim.checks import check_range, checked
 from ftrain.optim.kernels import check_same_keys, mul
@@ -119,16 +119,16 @@ def ema_momentum(decay: float, nesterov: bool = False) -> GradientTransformation
         lo, hi = ctx.state.span("ema")
         m = s[lo:hi]
         if ctx.inplace:
-            torch._foreach_lerp_(m, g, 1 - decay)
+            foreach.lerp_(m, g, 1 - decay)
         else:
-            m = list(torch._foreach_lerp(m, g, 1 - decay))
+            m = list(foreach.lerp(m, g, 1 - decay))
         if nesterov and ctx.owned:
-            torch._foreach_lerp_(g, m, decay)
+            foreach.lerp_(g, m, decay)
             u = g
         elif nesterov:
-            u = list(torch._foreach_lerp(g, m, decay))
+            u = list(foreach.lerp(g, m, decay))
         elif ctx.owned:  # the update must not alias the state: copy m into the update buffers
-            torch._foreach_copy_(g, m)
+            foreach.copy_(g, m)
             u = g
         else:
             u = [t.clone() for t in m]

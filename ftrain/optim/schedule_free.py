@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from ftrain import tree
+from ftrain import foreach, tree
 from ftrain.optim.base import GradientTransformation, LeafContext, chain, leaf_update, leafwise
 from ftrain.optim.checks import check_range, checked
 from ftrain.optim.kernels import check_same_keys, mul, zero_count
@@ -67,18 +67,18 @@ def _scale_by_rms(b2: float, eps: float) -> GradientTransformation:
         nu = s[lo:hi]
         count = s[i_count] + 1
         if ctx.inplace:
-            torch._foreach_mul_(nu, b2)
+            foreach.mul_(nu, b2)
         else:
-            nu = list(torch._foreach_mul(nu, b2))
-        torch._foreach_addcmul_(nu, g, g, 1 - b2)
+            nu = list(foreach.mul(nu, b2))
+        foreach.addcmul_(nu, g, g, 1 - b2)
         bc2 = 1 - b2 ** count.to(torch.float64)
-        denom = list(torch._foreach_div(nu, bc2.to(torch.float32)))
-        torch._foreach_sqrt_(denom)
-        torch._foreach_add_(denom, eps)
+        denom = list(foreach.div(nu, bc2.to(torch.float32)))
+        foreach.sqrt_(denom)
+        foreach.add_(denom, eps)
         if ctx.owned:
-            torch._foreach_div_(g, denom)
+            foreach.div_(g, denom)
         else:
-            g = list(torch._foreach_div(g, denom))
+            g = list(foreach.div(g, denom))
         new_s = list(s)
         new_s[i_count], new_s[lo:hi] = count, nu
         return g, new_s
@@ -155,13 +155,13 @@ def _schedule_free(
         weight_sum = s[i_sum] + weight
         c = torch.where(weight_sum > 0, weight / weight_sum, 0.0)  # the package: 0 on 0 / 0
         z = s[z_lo:z_hi]
-        out = list(torch._foreach_sub(z, p))  # y_new - y = c * (z - y) + (1 - b1 (1 - c)) * u
-        torch._foreach_mul_(out, c.to(torch.float32))
+        out = list(foreach.sub(z, p))  # y_new - y = c * (z - y) + (1 - b1 (1 - c)) * u
+        foreach.mul_(out, c.to(torch.float32))
         if ctx.inplace:
-            torch._foreach_add_(z, u)
+            foreach.add_(z, u)
         else:
-            z = list(torch._foreach_add(z, u))
-        torch._foreach_add_(out, mul(u, (1 - b1 * (1 - c)).to(torch.float32), u_owned))
+            z = list(foreach.add(z, u))
+        foreach.add_(out, mul(u, (1 - b1 * (1 - c)).to(torch.float32), u_owned))
         new_s = list(s)
         new_s[b_lo:b_hi], new_s[z_lo:z_hi] = new_base, z
         new_s[i_count], new_s[i_max], new_s[i_sum] = count + 1, lr_max, weight_sum

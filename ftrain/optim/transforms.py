@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
+from ftrain import foreach
 from ftrain.optim.base import (
     GradientTransformation,
     empty_state,
@@ -46,7 +47,7 @@ def global_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The L2 norm of all ``tensors`` taken together, as a 0-d fp32 tensor (no host sync)."""
     if not tensors:
         return torch.zeros(())
-    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors)).float())
+    return torch.linalg.vector_norm(torch.stack(foreach.norm(tensors)).float())
 
 
 def scale(factor: float) -> GradientTransformation:
@@ -129,19 +130,19 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
         lo, hi = ctx.state.span("trace")
         m = s[lo:hi]
         if ctx.inplace:
-            torch._foreach_mul_(m, decay)
-            torch._foreach_add_(m, g)
+            foreach.mul_(m, decay)
+            foreach.add_(m, g)
         else:
-            m = torch._foreach_mul(m, decay)
-            torch._foreach_add_(m, g)
+            m = foreach.mul(m, decay)
+            foreach.add_(m, g)
         if nesterov:
             if ctx.owned:
-                torch._foreach_add_(g, m, alpha=decay)
+                foreach.add_(g, m, alpha=decay)
                 u = g
             else:
-                u = list(torch._foreach_add(g, m, alpha=decay))
+                u = list(foreach.add(g, m, alpha=decay))
         elif ctx.owned:  # the update must not alias the state: copy m into the update buffers
-            torch._foreach_copy_(g, m)
+            foreach.copy_(g, m)
             u = g
         else:
             u = [t.clone() for t in m]
@@ -171,9 +172,9 @@ def add_decayed_weights(weight_decay: float = 0.0, mask=None) -> GradientTransfo
         if weight_decay == 0.0:
             return u, s
         if ctx.owned:
-            torch._foreach_add_(u, p, alpha=weight_decay)
+            foreach.add_(u, p, alpha=weight_decay)
             return u, s
-        return list(torch._foreach_add(u, p, alpha=weight_decay)), s
+        return list(foreach.add(u, p, alpha=weight_decay)), s
 
     t = leafwise(lambda params: empty_state(), update)
     return masked(t, mask) if mask is not None else t
@@ -234,13 +235,13 @@ def scale_by_adam(
         mu, nu = s[m_lo:m_hi], s[v_lo:v_hi]
         count = s[i_count] + 1
         if ctx.inplace:
-            torch._foreach_lerp_(mu, g, 1 - b1)
-            torch._foreach_mul_(nu, b2)
-            torch._foreach_addcmul_(nu, g, g, 1 - b2)
+            foreach.lerp_(mu, g, 1 - b1)
+            foreach.mul_(nu, b2)
+            foreach.addcmul_(nu, g, g, 1 - b2)
         else:
-            mu = torch._foreach_lerp(mu, g, 1 - b1)
-            nu = torch._foreach_mul(nu, b2)
-            torch._foreach_addcmul_(nu, g, g, 1 - b2)
+            mu = foreach.lerp(mu, g, 1 - b1)
+            nu = foreach.mul(nu, b2)
+            foreach.addcmul_(nu, g, g, 1 - b2)
         t = count.to(torch.float64)
         bc1 = 1 - b1**t
         bc2_sqrt = (1 - b2**t).sqrt()
@@ -249,16 +250,16 @@ def scale_by_adam(
         # fresh allocation of a large tensor costs several times an in-place pass over it.
         if ctx.owned:
             u = g
-            torch._foreach_copy_(u, nu)
+            foreach.copy_(u, nu)
             if eps_root:
-                torch._foreach_add_(u, eps_root)
-            torch._foreach_sqrt_(u)
+                foreach.add_(u, eps_root)
+            foreach.sqrt_(u)
         else:
-            u = list(torch._foreach_sqrt(torch._foreach_add(nu, eps_root) if eps_root else nu))
-        torch._foreach_mul_(u, (bc1 / bc2_sqrt).to(torch.float32))
+            u = list(foreach.sqrt(foreach.add(nu, eps_root) if eps_root else nu))
+        foreach.mul_(u, (bc1 / bc2_sqrt).to(torch.float32))
         add_(u, (eps * bc1).to(torch.float32))
-        torch._foreach_reciprocal_(u)
-        torch._foreach_mul_(u, mu)
+        foreach.reciprocal_(u)
+        foreach.mul_(u, mu)
         new_s = list(s)
         new_s[i_count] = count
         new_s[m_lo:m_hi] = mu
@@ -279,12 +280,12 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
         check_same_keys(ctx, "scale_by_lion", "mu")
         lo, hi = ctx.state.span("mu")
         m = s[lo:hi]
-        u = list(torch._foreach_lerp(m, g, 1 - b1))
-        torch._foreach_sign_(u)
+        u = list(foreach.lerp(m, g, 1 - b1))
+        foreach.sign_(u)
         if ctx.inplace:
-            torch._foreach_lerp_(m, g, 1 - b2)
+            foreach.lerp_(m, g, 1 - b2)
         else:
-            m = torch._foreach_lerp(m, g, 1 - b2)
+            m = foreach.lerp(m, g, 1 - b2)
         new_s = list(s)
         new_s[lo:hi] = m
         return u, new_s

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import torch
 from tensordict import TensorDictBase
 
-from ftrain import tree
+from ftrain import foreach, tree
 
 __all__ = ["apply_updates"]
 
@@ -31,6 +30,6 @@ def apply_updates(
     if not p:
         return params if inplace else pdef.unflatten([])
     if inplace:
-        torch._foreach_add_(p, u)
+        foreach.add_(p, u)
         return params
-    return pdef.unflatten(torch._foreach_add(p, u))
+    return pdef.unflatten(foreach.add(p, u))

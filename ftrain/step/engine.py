@@ -14,7 +14,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from tensordict import TensorDict
 
-from ftrain import tree
+from ftrain import foreach, tree
 from ftrain.losses import Loss
 from ftrain.scoped import Scoped
 
@@ -127,7 +127,7 @@ class AutogradEngine:
                 factor = 1.0 / n if scale is None else scale / n
                 g = torch.autograd.grad(loss.total * factor, leaves, allow_unused=True)
                 # weight by the count, out of place: the gradient of the sum, in fresh buffers
-                weighted = iter(torch._foreach_mul([x for x in g if x is not None], n))
+                weighted = iter(foreach.mul([x for x in g if x is not None], n))
                 g = [None if x is None else next(weighted) for x in g]
                 fresh = True
             else:
@@ -139,12 +139,12 @@ class AutogradEngine:
                 owned = fresh
             elif not owned:  # the first micro-batch's are autograd's: add out of place, once
                 pairs = [(a, b) for a, b in zip(grads, g) if b is not None]
-                summed = iter(torch._foreach_add([a for a, _ in pairs], [b for _, b in pairs]))
+                summed = iter(foreach.add([a for a, _ in pairs], [b for _, b in pairs]))
                 grads = [a.clone() if b is None else next(summed) for a, b in zip(grads, g)]
                 owned = True
             else:
                 present = [(a, b) for a, b in zip(grads, g) if b is not None]
-                torch._foreach_add_([a for a, _ in present], [b for _, b in present])
+                foreach.add_([a for a, _ in present], [b for _, b in present])
             t, c = loss.total.detach().float(), loss.count.detach()
             total, count = (t, c) if total is None else (total + t, count + c)
             for k, v in loss.aux.items():

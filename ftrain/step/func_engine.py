@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from ftrain import tree
+from ftrain import foreach, tree
 from ftrain.step.engine import Forward, Grads, nonzero
 
 __all__ = ["FuncEngine"]
@@ -57,8 +57,8 @@ class FuncEngine:
             g, ((t, c, n), piece_aux) = torch.func.grad(objective, has_aux=True)(values)
             g = list(g)
             if reweighted[0]:
-                g = list(torch._foreach_mul(g, n))
-            grads = g if grads is None else list(torch._foreach_add(grads, g))
+                g = list(foreach.mul(g, n))
+            grads = g if grads is None else list(foreach.add(grads, g))
             total, count = (t, c) if total is None else (total + t, count + c)
             for k, v in piece_aux.items():
                 v = v / len(pieces)

@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 import torch
 from tensordict import TensorDict
 
-from ftrain import rng, tree
+from ftrain import foreach, rng, tree
 from ftrain.apply import ApplyCache, caching, rewriting
 from ftrain.losses import Loss, RowMean, as_loss, warn_row_weighted
 from ftrain.optim.base import GradientTransformation, LeafContext, leaf_update
@@ -99,8 +99,8 @@ class Step:
         for name, value in derived.items():
             object.__setattr__(self, name, value)
         fn: StepFn = self.core
-        for t in ts:
-            fn = t.wrap(fn) if t.uses("wrap") else fn
+        for t in sorted((t for t in ts if t.uses("wrap")), key=lambda t: t.wrap_order):
+            fn = t.wrap(fn)
         object.__setattr__(self, "_fn", fn)
 
     # -- building ---------------------------------------------------------------------------
@@ -214,9 +214,9 @@ class Step:
         if scale is not None:
             denom = denom * scale
         if owned:
-            torch._foreach_div_(grads, denom)
+            foreach.div_(grads, denom)
         else:  # autograd's own (see AutogradEngine): out of place, then the buffers are ours
-            grads = list(torch._foreach_div(grads, denom))
+            grads = list(foreach.div(grads, denom))
         metrics = {
             "loss": total / nonzero(count),
             "count": count,
@@ -270,9 +270,9 @@ class Step:
             u = [torch.where(skip, torch.zeros_like(x), x) for x in u]
             new_s = [torch.where(skip, o, n) for n, o in zip(new_s, s)]
         if self.donate:  # params + updates, one multi-tensor kernel
-            torch._foreach_add_(p, u)
+            foreach.add_(p, u)
         else:
-            p = list(torch._foreach_add(p, u))
+            p = list(foreach.add(p, u))
         lr = _find_lr(new_s, sdef)
         if self.donate:  # most tensors are the input's own: keep the containers holding only them
             return tdef.rebuild(p, state.params), sdef.rebuild(new_s, state.opt_state), lr

@@ -9,7 +9,7 @@ when      hook                                     used by
 ========  =======================================  ===============================================
 building  ``check(inner, outer)``                  ordering rules (each once, accumulate once)
           ``optimizer(opt) -> opt``                ``shard`` (ZeRO runs the optimizer on shards)
-          ``wrap(fn) -> fn``                       ``compile``, ``ema``, ``wrap``
+          ``wrap(fn) -> fn``                       ``compile``, ``ema``, ``vmap``, ``wrap``
 each call ``init(state) -> state``                 ``autocast`` (fp16 loss scale), ``ema``
           ``around_step(state) -> ctx``            ``autocast`` (TF32), ``shard`` (rank stream)
 forward   ``split(batch) -> [batch, ...]``         ``accumulate``
@@ -22,9 +22,9 @@ update    ``gradients(g, state) -> g``             ``autocast`` (skip non-finite
                                                    noise, spike guards, gradient metrics
 ========  =======================================  ===============================================
 
-``init``, ``around_step`` and the ``wrap`` of transforms applied after ``ft.compile`` run eagerly
-around the compiled function; every other hook runs inside it and is compiled with the step,
-whenever its transform was applied. Hooks run in
+``init``, ``around_step`` and the ``wrap`` of transforms applied after ``ft.compile`` (``ft.vmap``'s
+excepted: its ``wrap_order`` puts it innermost) run eagerly around the compiled function; every
+other hook runs inside it and is compiled with the step, whenever its transform was applied. Hooks run in
 the order the transforms were applied (innermost first). A transform holds no mutable
 attributes: what it remembers between steps lives in ``state.extra`` (created in ``init``), so it
 is saved, resumed, sharded and compiled like the rest of the state.
@@ -108,6 +108,9 @@ class Transform:
         rewrite_order: where this transform's :meth:`rewrite` runs among others: lower first,
             closer to the module's own code. fsdp's gathering (-1) runs inside activation
             checkpointing (0), so that a recomputed block gathers its parameters again.
+        wrap_order: where this transform's :meth:`wrap` sits among others: lower inside, then as
+            applied. ``ft.vmap`` (-1) is innermost, so ``ft.compile`` (0) compiles the vmapped
+            step in either order, and every other wrap sees the stacked state.
 
     Keep a transform immutable (a frozen dataclass is a good fit), check its arguments in
     ``__init__``/``__post_init__``, and keep metrics as 0-d tensors (no ``.item()``: a host sync,
@@ -117,6 +120,7 @@ class Transform:
     name: str = ""
     once: ClassVar[bool] = False
     rewrite_order: ClassVar[int] = 0
+    wrap_order: ClassVar[int] = 0
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

@@ -97,7 +97,8 @@ def compile(step: Step, **torch_compile_kwargs) -> Step:  # noqa: A001 - mirrors
     reduction, the gradients, the optimizer) is compiled, whichever transform it comes from and
     whenever it was applied. Only the set-up runs eagerly around the compiled function: seeding
     from ``state.rng``, the ``init`` and ``around_step`` hooks, and the ``wrap`` hooks of
-    transforms applied *after* compile (those applied before are compiled with the step).
+    transforms applied *after* compile (those applied before are compiled with the step; ``ft.vmap``
+    is always compiled: its ``wrap_order`` puts it innermost).
     Learning rates and other changing hyper-parameters are tensors computed inside, so a schedule
     never triggers a recompile. Compiling twice is refused, and so is compiling a step with a
     transform that dynamo cannot trace (``ft.shard(step, "fsdp")``), in either order.

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
-from ftrain import tree
+from ftrain import foreach, tree
 from ftrain.state import TrainState
 from ftrain.step import Step, StepFn, Transform
 
@@ -39,7 +37,7 @@ class Ema(Transform):
             new_state, metrics = fn(state, batch)
             avg = tree.leaves(state.extra["ema"])
             # ema + (1 - decay) * (params - ema), for all tensors in one multi-tensor kernel
-            new_avg = torch._foreach_lerp(avg, tree.leaves(new_state.params), weight)
+            new_avg = foreach.lerp(avg, tree.leaves(new_state.params), weight)
             extra = new_state.extra.clone(recurse=False)
             extra["ema"] = tree.unflatten(state.extra["ema"], new_avg)
             return new_state.replace(extra=extra), metrics

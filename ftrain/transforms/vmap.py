@@ -8,9 +8,10 @@ Two hooks of the public protocol do it: ``engine`` swaps the gradient engine for
 ``torch.func.grad`` can), and ``wrap`` runs the step function under ``torch.func.vmap`` with the
 state's leaves batched along their first dimension. The hooks that act inside the step (split,
 forward contexts, reduce, gradients, the optimizer) run per member, inside; ``init`` and
-``around_step`` see the stacked state. Inside, ``torch._foreach_*`` kernels run per tensor
-(``ftrain.foreach_loop``: vmap cannot batch some of them) and ``ft.shard``'s all-reduce runs once
-on the members' buffers together.
+``around_step`` see the stacked state. Inside, ftrain's multi-tensor kernels run per tensor
+(``ftrain.foreach.looped``: vmap cannot batch some of them) and ``ft.shard``'s all-reduce runs
+once on the members' buffers together. The ``wrap`` is the innermost of the step's
+(``wrap_order``), so ``ft.compile`` compiles the vmapped step whichever was applied first.
 
 Randomness: inside the vmapped step, dropout (``F.dropout``, ``nn.Dropout`` and the ``dropout_p``
 of ``F.scaled_dot_product_attention``) draws its masks from member i's own key with
@@ -33,9 +34,8 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-from ftrain import rng, tree
+from ftrain import foreach, rng, tree
 from ftrain.distributed.launch import rank_and_world
-from ftrain.foreach_loop import looped_foreach
 from ftrain.keyed_dropout import keyed_dropout
 from ftrain.stack import members
 from ftrain.state import TrainState
@@ -47,13 +47,6 @@ from ftrain.transforms.shard import Shard
 __all__ = ["Vmap", "vmap"]
 
 _FIELDS = ("params", "opt_state", "extra")
-
-_NO_COMPILE = (
-    "torch.compile traces torch.func.vmap without the per-tensor loop that ft.vmap runs the "
-    "step's multi-tensor kernels through (torch._foreach_div by a tensor has no vmap batching "
-    "rule, and dynamo applies no TorchFunctionMode to torch._foreach_* calls), so the compiled "
-    "step fails. Run ft.vmap(step) eagerly."
-)
 
 _NO_CHECKPOINT = (
     "torch.func (which ft.vmap differentiates with) refuses the saved-tensor hooks that "
@@ -69,6 +62,7 @@ class Vmap(Transform):
     batch_axis: int | None = None
 
     once = True
+    wrap_order = -1  # innermost: ft.compile, applied before or after, compiles the vmapped step
 
     def __post_init__(self) -> None:
         if self.batch_axis is not None and (
@@ -89,9 +83,6 @@ class Vmap(Transform):
                     f"ft.vmap composes with ft.shard(step, 'ddp') only, not {t.strategy!r}: the "
                     "members are replicated on every process and the batch is split. Use 'ddp'."
                 )
-
-    def compile_refusal(self) -> str | None:
-        return _NO_COMPILE
 
     def engine(self, engine):
         if not isinstance(engine, AutogradEngine):
@@ -114,7 +105,7 @@ class Vmap(Transform):
             def member(leaves, member_batch):
                 s = _unflatten(state, leaves)
                 key = rng.fold_in(rng.fold_in(s.rng, s.step), salt)
-                with keyed_dropout(key), looped_foreach(), _batched_all_reduce():
+                with keyed_dropout(key), _batched_all_reduce():
                     new, metrics = fn(s, member_batch)
                 out, defs = _flatten(new)
                 structure.append(defs)
@@ -122,7 +113,8 @@ class Vmap(Transform):
 
             leaves, _ = _flatten(state)
             run = torch.func.vmap(member, in_dims=(0, batch_axis), randomness="different")
-            out, metrics = run(leaves, batch)
+            with foreach.looped():  # set outside vmap: dynamo traces the flag into the body
+                out, metrics = run(leaves, batch)
             # an output that no member changed comes back expanded (stride 0): give it memory
             out = [t.contiguous() if t.dim() and t.stride(0) == 0 else t for t in out]
             return _unflatten_with(structure[-1], out), metrics
@@ -217,9 +209,10 @@ def vmap(step: Step, *, batch_axis: int | None = None) -> Step:
     Args:
         step: an ``ft.Step``. ``ft.accumulate``, ``ft.autocast``, ``ft.ema`` and
             ``ft.shard(step, "ddp")`` (members replicated on every process, the batch split
-            between them) compose, before or after. ``ft.checkpoint`` (``torch.func`` refuses
-            saved-tensor hooks) and ``ft.compile`` (see ``_NO_COMPILE``) are refused when the
-            step is built, in either order.
+            between them) compose, before or after. ``ft.compile``, before or after, compiles the
+            vmapped step (``torch.func.vmap`` inside the compiled function) with no recompiles.
+            ``ft.checkpoint`` is refused when the step is built, in either order
+            (``torch.func`` refuses saved-tensor hooks).
         batch_axis: None: every member trains on the same batch; 0: every tensor of the batch has
             a leading dimension of size K, and member i trains on its slice i.
 
