@@ -4,6 +4,7 @@ accumulate) and once in total (under shard on 2 processes); refusals at build ti
 
 import copy
 import dataclasses
+import warnings
 
 import pytest
 import torch
@@ -160,6 +161,27 @@ def test_accumulate_equals_whole_batch(noise):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
     assert m1["count"] == m4["count"] == 8
     torch.testing.assert_close(m1["loss"], m4["loss"])
+
+
+def test_a_plain_scalar_loss_is_not_warned_about_under_accumulate():
+    """Under dp_sgd every example counts once by design, so a plain scalar loss (a mean over its
+    one row) is what the step means: no ScalarLossWarning, where the plain step would warn."""
+    model = tiny_gpt()
+
+    def scalar_loss(params, batch):
+        logits = ft.apply(model, params, batch["input"])
+        return F.cross_entropy(logits.flatten(0, 1), batch["target"].flatten())
+
+    opt = ft.optim.sgd(0.1)
+    state = ft.TrainState.create(ft.params_of(model), opt, seed=0)
+    batch = lm_batch(4, seed=1)
+    plain = ft.accumulate(ft.train_step(scalar_loss, opt), 2)
+    with pytest.warns(ft.losses.ScalarLossWarning):
+        plain(state, batch)
+    private = ft.accumulate(ft.dp_sgd(ft.train_step(scalar_loss, opt), 1.0, 0.0), 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ft.losses.ScalarLossWarning)
+        private(state, batch)
 
 
 def test_bad_arguments_and_orders_are_refused_when_built():

@@ -46,7 +46,12 @@ class Grads(NamedTuple):
 class GradEngine(Protocol):
     """``engine(forward, params, pieces, scale) -> Grads``: run ``forward(params, piece)`` for
     each piece and differentiate the summed ``Loss.total`` with respect to ``params`` (times
-    ``scale`` when given, a 0-d tensor). A parameter the loss does not use gets a zero gradient."""
+    ``scale`` when given, a 0-d tensor). A parameter the loss does not use gets a zero gradient.
+
+    An engine may set ``weighs_rows = True``: it gives every row of a batch the same weight by
+    design (DP-SGD clips each example's gradient, so each example counts once). The step then
+    does not warn that a plain scalar loss is weighted by rows (``ScalarLossWarning``): there it
+    is what the engine means, not a trap."""
 
     def __call__(
         self,

@@ -199,7 +199,9 @@ class Step:
         scale = scaler.loss_scale(state) if scaler is not None else None
         pieces = self.split(batch)
         forward = self._forward
-        if len(pieces) > 1 or hooks.reduce:  # pieces are combined: check how they are weighted
+        combined = len(pieces) > 1 or hooks.reduce
+        if combined and not getattr(self._engine, "weighs_rows", False):
+            # pieces are combined: check how they are weighted
             forward = functools.partial(self._forward, pieces=len(pieces))
         grads, total, count, aux, owned = self._engine(forward, state.params, pieces, scale)
         if hooks.reduce:  # phase 4: sums across processes

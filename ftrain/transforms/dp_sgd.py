@@ -51,6 +51,7 @@ class ClippedSumEngine:
     exceeded the bound (on this process)."""
 
     l2_norm_clip: float
+    weighs_rows = True  # every example counts once: a plain scalar per row is what it means
 
     def __call__(
         self,
@@ -171,7 +172,8 @@ def dp_sgd(step: Step, l2_norm_clip: float, noise_multiplier: float) -> Step:
     An *example* is a row of the batch (dim 0 of every tensor), given to the loss function as a
     batch of one; its loss is ``total / count`` of what the loss function returns for it (a token
     loss: the mean over the example's tokens), so every example weighs the same, whatever its
-    number of tokens. ``metrics["loss"]`` is the mean of the examples' losses; ``grad_norm`` the
+    number of tokens (a plain scalar loss gets no ``ScalarLossWarning`` here: weighting by rows is
+    the definition). ``metrics["loss"]`` is the mean of the examples' losses; ``grad_norm`` the
     norm of the clipped average before noise; ``clipped`` the fraction of examples whose gradient
     was clipped (this process's, under ``ft.shard``); ``noise_std`` the standard deviation of the
     noise in the averaged gradient, ``noise_multiplier * l2_norm_clip / count`` (absent when
