@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from ftrain import tree
+from ftrain import func_scope, tree
 from ftrain.losses import Loss, as_loss
 
 __all__ = ["per_example_grads", "ExampleGrads", "example_grads", "examples_of"]
@@ -103,7 +103,8 @@ def example_grads(
     each = torch.func.vmap(
         torch.func.grad(one, has_aux=True), in_dims=(None, 0), randomness="different"
     )
-    grads, (losses, aux) = each([v.detach() for v in values], leaves)
+    with func_scope.entered():
+        grads, (losses, aux) = each([v.detach() for v in values], leaves)
     return ExampleGrads(list(grads), losses, aux)
 
 

@@ -211,3 +211,26 @@ def test_docstring_examples_run():
 
     result = doctest.testmod(ftrain.models.onednn)
     assert result.attempted > 0 and result.failed == 0
+
+
+@needs_onednn
+def test_a_compiled_torch_func_transform_keeps_f_linear():
+    """Under torch.compile the wrapper check cannot run: inside ftrain.func_scope.entered() (what
+    ft.vmap and ft.per_example_grads enter) a compiled vmap of grad takes F.linear and equals the
+    eager result; outside the scope the same traced code would take the oneDNN path, which vmap
+    cannot batch."""
+    from ftrain import func_scope
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 64, 128, generator=g)  # 3 members, 64 rows: 1M multiply-adds each
+    w = torch.randn(3, 128, 128, generator=g)
+
+    def loss(w_i, x_i):
+        return linear(x_i, w_i).square().sum()
+
+    per_member = torch.func.vmap(torch.func.grad(loss))
+    want = per_member(w, x)
+    with func_scope.entered():
+        got = torch.compile(per_member, backend="eager", fullgraph=True)(w, x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    torch._dynamo.reset()

@@ -32,6 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from ftrain import func_scope
+
 __all__ = [
     "linear",
     "Linear",
@@ -165,8 +167,8 @@ def _use_onednn(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> boo
 def _functorch_wrapped(*tensors: torch.Tensor | None) -> bool:
     """Under torch.func transforms (vmap over the inputs or over the weights, grad) tensors are
     wrappers the oneDNN kernel cannot take; those calls keep F.linear."""
-    if torch.compiler.is_compiling():
-        return False
+    if torch.compiler.is_compiling():  # the query below is not traceable: ask ftrain's flag
+        return func_scope.inside()
     # Private torch API: there is no public "is this a torch.func wrapper" query. A public route
     # would be a vmap rule for the oneDNN op (torch.library.register_vmap), with no need to ask.
     wrapped = torch._C._functorch.is_functorch_wrapped_tensor

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-from ftrain import foreach, rng, tree
+from ftrain import foreach, func_scope, rng, tree
 from ftrain.distributed.launch import rank_and_world
 from ftrain.keyed_dropout import keyed_dropout
 from ftrain.stack import members
@@ -113,7 +113,8 @@ class Vmap(Transform):
 
             leaves, _ = _flatten(state)
             run = torch.func.vmap(member, in_dims=(0, batch_axis), randomness="different")
-            with foreach.looped():  # set outside vmap: dynamo traces the flag into the body
+            # set outside vmap: dynamo traces the flags into the body
+            with foreach.looped(), func_scope.entered():
                 out, metrics = run(leaves, batch)
             # an output that no member changed comes back expanded (stride 0): give it memory
             out = [t.contiguous() if t.dim() and t.stride(0) == 0 else t for t in out]
