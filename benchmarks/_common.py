@@ -75,6 +75,44 @@ def rounds(fns: dict[str, Callable[[], None]], n_rounds: int) -> dict[str, dict]
     }
 
 
+TOTAL, OUTSIDE = "**step total**", "(outside any op: Python, dispatch)"
+
+
+def profile_diff(
+    before: Callable[[], object], after: Callable[[], object], steps: int, top: int, chunk: int = 1
+) -> tuple[list[str], dict[str, float]]:
+    """Self CPU µs per call of each op (torch.profiler) of ``after`` against ``before``: table
+    rows (the whole call, the time outside any op, then the ``top`` ops where the two differ
+    most), and ``before``'s µs per key. The two are profiled ``chunk`` calls at a time,
+    alternating, ``steps`` calls each; the profiler's own cost per op inflates both totals, so
+    read the differences."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    per_op: tuple[dict[str, float], dict[str, float]] = ({}, {})
+    for fn in (before, after):  # warm-up
+        fn(), fn()
+    for _ in range(steps // chunk):
+        for fn, acc in zip((before, after), per_op):
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(chunk):
+                    with record_function("## step ##"):
+                        fn()
+            for e in prof.key_averages():
+                whole = e.key == "## step ##"
+                us = (e.cpu_time_total if whole else e.self_cpu_time_total) / steps
+                key = TOTAL if whole else f"`{e.key}`"
+                acc[key] = acc.get(key, 0.0) + us
+    for acc in per_op:
+        acc[OUTSIDE] = 2 * acc[TOTAL] - sum(acc.values())  # the call less every op in it
+    a, b = per_op
+    diff = {k: b.get(k, 0.0) - a.get(k, 0.0) for k in a.keys() | b.keys()}
+    ranked = sorted((k for k in diff if k not in (TOTAL, OUTSIDE)), key=lambda k: -abs(diff[k]))
+    keys = [TOTAL, OUTSIDE, *ranked[:top]]
+    rows = [f"| {k} | {a.get(k, 0.0):.0f} | {b.get(k, 0.0):.0f} | {diff[k]:+.0f} |" for k in keys]
+    print("\n".join(rows), flush=True)
+    return rows, a
+
+
 def write_section(title: str, body: str) -> None:
     """Replace (or append) the ``## title`` section of RESULTS.md with ``body``."""
     text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"

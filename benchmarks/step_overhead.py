@@ -42,7 +42,12 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from _common import machine, rounds, write_section  # benchmarks/_common.py, beside this script
+from _common import (  # benchmarks/_common.py, beside this script
+    machine,
+    profile_diff,
+    rounds,
+    write_section,
+)
 
 import ftrain as ft
 from ftrain.models import GPT, GPTConfig
@@ -316,32 +321,8 @@ def baby_rows(quick: bool, n_rounds: int) -> tuple[list[str], str]:
 def baby_profile(quick: bool, steps: int = 20) -> list[str]:
     """Self CPU µs per step of each op (torch.profiler), ftrain donate against torch, the ops
     where they differ most first; and the time outside any op (Python, dispatch)."""
-    from torch.profiler import ProfilerActivity, profile, record_function
-
     sides = baby_sides(quick)
-    total, outside = "**step total**", "(outside any op: Python, dispatch)"
-    per_op: dict[str, dict[str, float]] = {"torch": {}, "ftrain donate": {}}
-    for name in per_op:
-        sides[name](), sides[name]()  # warm-up
-    for _ in range(steps // 5):  # 5 steps of each side at a time, alternating
-        for name, acc in per_op.items():
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
-                for _ in range(5):
-                    with record_function("## step ##"):
-                        sides[name]()
-            for e in prof.key_averages():
-                us = (e.cpu_time_total if e.key == "## step ##" else e.self_cpu_time_total) / steps
-                key = total if e.key == "## step ##" else f"`{e.key}`"
-                acc[key] = acc.get(key, 0.0) + us
-    for acc in per_op.values():
-        acc[outside] = 2 * acc[total] - sum(acc.values())  # the step less every op in it
-    a, b = per_op["torch"], per_op["ftrain donate"]
-    diff = {k: b.get(k, 0.0) - a.get(k, 0.0) for k in a.keys() | b.keys()}
-    ranked = sorted((k for k in diff if k not in (total, outside)), key=lambda k: -abs(diff[k]))
-    keys = [total, outside, *ranked[:12]]
-    rows = [f"| {k} | {a.get(k, 0.0):.0f} | {b.get(k, 0.0):.0f} | {diff[k]:+.0f} |" for k in keys]
-    print("\n".join(rows), flush=True)
-    return rows
+    return profile_diff(sides["torch"], sides["ftrain donate"], steps, top=12, chunk=5)[0]
 
 
 def main() -> None:

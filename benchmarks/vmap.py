@@ -33,7 +33,14 @@ import warnings
 from collections.abc import Callable
 
 import torch
-from _common import machine, rounds, write_section  # benchmarks/_common.py, beside this script
+from _common import (  # benchmarks/_common.py, beside this script
+    OUTSIDE,
+    TOTAL,
+    machine,
+    profile_diff,
+    rounds,
+    write_section,
+)
 
 import ftrain as ft
 from ftrain.config import TrainConfig
@@ -58,9 +65,9 @@ one `bmm` over `[K, B*T, d]` (MKL, where the plain step runs oneDNN's linear), a
 `scaled_dot_product_attention` has no batching rule on the CPU, so torch runs it member by member
 and concatenates (the warning below). The fixed cost (`vmap K=1` above): `torch.func`'s
 wrapper layers on every op of forward and backward, and no `torch._foreach_*` kernel has a vmap
-batching rule, so `ftrain.foreach_loop.looped_foreach` runs the optimizer's and the step's
+batching rule, so under `ft.vmap` `ftrain.foreach` runs the optimizer's and the step's
 multi-tensor kernels one tensor at a time (one Python-level op per tensor per kernel, each
-batched by vmap). At K = 8 that fixed cost is only partly amortized; the last column is the
+batched by vmap; compiled, the loop is traced into the graph and costs nothing per call). At K = 8 that fixed cost is only partly amortized; the last column is the
 ratio the ensemble approaches as K grows."""
 EXAMPLES = 16  # examples for per-example gradients and DP-SGD
 
@@ -115,8 +122,10 @@ def loss_fn_of(model: GPT):
 # -- ensembles -------------------------------------------------------------------------------------
 
 
-def ensemble_sides(size: Size) -> dict[str, Callable[[], None]]:
-    """Four sides: vmapped and sequential, each with the shared batch and with own batches."""
+def ensemble_sides(size: Size, compiled: bool = False) -> dict[str, Callable[[], None]]:
+    """Four sides: vmapped and sequential, each with the shared batch and with own batches.
+    ``compiled``: both sides through ``ft.compile`` (inductor; the sequential side's one
+    compiled step serves every member, whose states have the same shapes)."""
     k, cfg = size.members, size.config
     model = gpt(cfg, 0)  # the template: its code runs, the states hold the tensors
     opt = ft.optim.inject_hyperparams(ft.optim.adamw)(learning_rate=1e-3, weight_decay=0.01)
@@ -130,8 +139,10 @@ def ensemble_sides(size: Size) -> dict[str, Callable[[], None]]:
     own = [token_batch(cfg.vocab_size, size.batch, cfg.seq_len, seed=i) for i in range(k)]
     shared = own[0]
     stacked_batches = {key: torch.stack([b[key] for b in own]) for key in shared}  # (K, B, T)
-    step = ft.train_step(loss_fn_of(model), opt)
-    vmapped = {None: ft.vmap(step), 0: ft.vmap(step, batch_axis=0)}
+    plain = ft.train_step(loss_fn_of(model), opt)
+    wrap = ft.compile if compiled else (lambda x: x)
+    step = wrap(plain)
+    vmapped = {None: wrap(ft.vmap(plain)), 0: wrap(ft.vmap(plain, batch_axis=0))}
 
     def vmap_side(batch_axis: int | None) -> Callable[[], None]:
         box = [ft.stack(states)]  # every leaf [K, ...]
@@ -183,6 +194,23 @@ def ensemble_rows(size: Size) -> tuple[list[str], set[str], float]:
     return rows, missing, t["vmap, shared batch"]["cpu"]
 
 
+def compiled_rows(size: Size) -> list[str]:
+    """The shared-batch sides compiled (inductor), both of them: like against like. Compile time
+    is left out (the warm-up calls compile)."""
+    torch._dynamo.reset()  # each size compiled afresh, with static shapes, as a user's run is
+    sides = ensemble_sides(size, compiled=True)
+    names = ("vmap, shared batch", "sequential, shared batch")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t = rounds({n: sides[n] for n in names}, size.rounds)
+    seq, vm = t[names[1]], t[names[0]]
+    row = (f"| {size.name}, compiled | shared batch | {size.members / vm['cpu']:.1f} | "
+           f"{size.members / seq['cpu']:.1f} | {seq['cpu'] / vm['cpu']:.2f} | "
+           f"{seq['wall'] / vm['wall']:.2f} | (reported) | |")  # fmt: skip
+    print(row, flush=True)
+    return [row]
+
+
 def scaling_row(size: Size, vmap_k_cpu: float) -> str:
     """The vmapped step's fixed cost and its cost per member: ``ft.vmap`` with K=1 against one
     plain step, and (K members - 1 member) / (K - 1) against one plain step."""
@@ -204,35 +232,13 @@ def ensemble_profile(size: Size) -> tuple[list[str], float]:
     """Self CPU µs per step of each op (torch.profiler): the vmapped step against the K
     sequential steps (shared batch), the ops where they differ most first; and the ceiling of
     the ratio, the sequential steps' total over their time inside ops (see NOTES)."""
-    from torch.profiler import ProfilerActivity, profile, record_function
-
     sides = ensemble_sides(size)
-    names = {"vmap": "vmap, shared batch", "sequential": "sequential, shared batch"}
-    total, outside = "**step total**", "(outside any op: Python, dispatch)"
-    per_op: dict[str, dict[str, float]] = {n: {} for n in names}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for name in names.values():
-            sides[name](), sides[name]()  # warm-up
-        for _ in range(size.profile_steps):  # one step of each at a time, alternating
-            for short, acc in per_op.items():
-                with profile(activities=[ProfilerActivity.CPU]) as prof:
-                    with record_function("## step ##"):
-                        sides[names[short]]()
-                for e in prof.key_averages():
-                    step_row = e.key == "## step ##"
-                    us = e.cpu_time_total if step_row else e.self_cpu_time_total
-                    key = total if step_row else f"`{e.key}`"
-                    acc[key] = acc.get(key, 0.0) + us / size.profile_steps
-    for acc in per_op.values():
-        acc[outside] = 2 * acc[total] - sum(acc.values())  # the step less every op in it
-    a, b = per_op["sequential"], per_op["vmap"]
-    diff = {key: b.get(key, 0.0) - a.get(key, 0.0) for key in a.keys() | b.keys()}
-    ranked = sorted((x for x in diff if x not in (total, outside)), key=lambda x: -abs(diff[x]))
-    keys = [total, outside, *ranked[:14]]
-    rows = [f"| {x} | {a.get(x, 0.0):.0f} | {b.get(x, 0.0):.0f} | {diff[x]:+.0f} |" for x in keys]
-    print("\n".join(rows), flush=True)
-    return rows, a[total] / (a[total] - a[outside])
+        rows, seq = profile_diff(
+            sides["sequential, shared batch"], sides["vmap, shared batch"], size.profile_steps, 14
+        )
+    return rows, seq[TOTAL] / (seq[TOTAL] - seq[OUTSIDE])
 
 
 # -- per-example gradients and DP-SGD ------------------------------------------------------------
@@ -322,6 +328,8 @@ def main() -> None:
         scaling.append(scaling_row(size, vmap_cpu))
         profiles[size.name], cap = ensemble_profile(size)
         ceilings.append(f"| {size.name} | {cap:.2f} | {r[0].split('|')[5].strip()} |")
+        if size.name != "default" and not args.quick:  # inductor at the default size: minutes
+            rows += compiled_rows(size)
     tiny = sizes(args.quick, n_rounds)[0]
     ratios, times = per_example_rows(tiny.config, 3 * n_rounds)
     load_end = os.getloadavg()[0]
@@ -348,7 +356,9 @@ totals (the sequential side's more: it runs K times as many ops): read the diffe
 K members of ftrain's GPT (dropout 0), each with its own initial params, seed and learning rate
 (an `inject_hyperparams` AdamW, learning rates 1e-4 to 3e-3), trained by one `ft.vmap(step)` call
 per step against K plain `step(state_i, batch_i)` calls on the same states and batches (both pure:
-a new state every step). Throughput: members x steps per CPU second.
+a new state every step). Throughput: members x steps per CPU second. Rows marked *compiled*:
+both sides through `ft.compile` (inductor), `ft.compile(ft.vmap(step))` against one compiled
+plain step called K times, compile time left out.
 
 | size | batch | vmap members·steps/s | sequential members·steps/s | ratio CPU (judged) | ratio wall | target | met |
 | --- | --- | ---: | ---: | ---: | ---: | ---: | :---: |

@@ -194,6 +194,18 @@ def test_compile_in_either_order_equals_the_eager_vmapped_step_without_recompile
         assert torch.allclose(history[-1]["loss"], want_metrics["loss"], rtol=1e-5)
 
 
+def test_compiled_vmapped_steps_of_two_model_sizes_in_one_process():
+    """A second model size in the same process makes dynamo trace the vmapped step with symbolic
+    shapes (its code is the same): it still compiles, and equals the eager vmapped step."""
+    opt = _opt()
+    for d_model in (16, 24):
+        step = _step(opt, n_layer=1, d_model=d_model)
+        state = ft.stack(_members(opt, LRS[:2], n_layer=1, d_model=d_model))
+        want, _ = _run(ft.vmap(step), state, BATCHES[:2])
+        got, _ = _run(ft.compile(ft.vmap(step), backend="eager"), state, BATCHES[:2])
+        assert _worst(got.params, want.params) <= 1e-5, d_model
+
+
 def test_shard_ddp_splits_the_batch_and_equals_one_process(two_ranks):
     from _two_ranks import adamw, batches, gpt, run, vmap_members, whole
 

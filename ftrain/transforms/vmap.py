@@ -117,7 +117,9 @@ class Vmap(Transform):
             with foreach.looped(), func_scope.entered():
                 out, metrics = run(leaves, batch)
             # an output that no member changed comes back expanded (stride 0): give it memory
-            out = [t.contiguous() if t.dim() and t.stride(0) == 0 else t for t in out]
+            # (a no-op for the others; no stride test, which dynamo cannot trace on symbolic
+            # shapes once a compiled vmapped step sees a second batch size)
+            out = [t.contiguous() for t in out]
             return _unflatten_with(structure[-1], out), metrics
 
         return vmapped
