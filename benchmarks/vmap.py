@@ -68,7 +68,13 @@ wrapper layers on every op of forward and backward, and no `torch._foreach_*` ke
 batching rule, so under `ft.vmap` `ftrain.foreach` runs the optimizer's and the step's
 multi-tensor kernels one tensor at a time (one Python-level op per tensor per kernel, each
 batched by vmap; compiled, the loop is traced into the graph and costs nothing per call). At K = 8 that fixed cost is only partly amortized; the last column is the
-ratio the ensemble approaches as K grows."""
+ratio the ensemble approaches as K grows.
+
+What the target assumes. A ratio of 2.5 at K = 8 needs the plain step to be mostly overhead,
+or a device that one small model leaves idle (a GPU, where K members fill it). On this CPU, with
+one thread, the tiny size's step is mostly kernel time, so no batching can reach it there (the
+ceiling table below); where the step is overhead-bound (the small size) the compiled vmapped
+step is the row that shows what `ft.vmap` gives."""
 EXAMPLES = 16  # examples for per-example gradients and DP-SGD
 
 
