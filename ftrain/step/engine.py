@@ -8,7 +8,7 @@ in another engine with its ``engine`` hook (e.g. one built on ``torch.func`` for
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -26,6 +26,7 @@ __all__ = [
     "BackwardPlan",
     "backward_plan",
     "nonzero",
+    "add_aux",
 ]
 
 # The step's forward: the loss of one micro-batch, and whether the loss function returned a
@@ -90,6 +91,14 @@ def backward_plan() -> BackwardPlan | None:
     return _PLAN.get()
 
 
+def add_aux(aux: dict[str, torch.Tensor], piece: Mapping[str, torch.Tensor], pieces: int) -> None:
+    """Add one micro-batch's aux metrics into ``aux``, each detached, in fp32 and divided by
+    ``pieces``: what an engine returns is their mean over micro-batches, with equal weight."""
+    for k, v in piece.items():
+        v = v.detach().float() / pieces
+        aux[k] = v if k not in aux else aux[k] + v
+
+
 def nonzero(count: torch.Tensor) -> torch.Tensor:
     """``count``, or 1 where it is 0 (an empty batch); a fractional count (weights) is kept."""
     return torch.where(count != 0, count, torch.ones_like(count))
@@ -152,9 +161,7 @@ class AutogradEngine:
                 foreach.add_([a for a, _ in present], [b for _, b in present])
             t, c = loss.total.detach().float(), loss.count.detach()
             total, count = (t, c) if total is None else (total + t, count + c)
-            for k, v in loss.aux.items():
-                v = v.detach().float() / len(pieces)
-                aux[k] = v if k not in aux else aux[k] + v
+            add_aux(aux, loss.aux, len(pieces))
         return Grads(grads, total, count, aux, owned)
 
     def __repr__(self) -> str:

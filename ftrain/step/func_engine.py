@@ -15,7 +15,7 @@ import torch
 from tensordict import TensorDict
 
 from ftrain import foreach, tree
-from ftrain.step.engine import Forward, Grads, nonzero
+from ftrain.step.engine import Forward, Grads, add_aux, nonzero
 
 __all__ = ["FuncEngine"]
 
@@ -60,9 +60,7 @@ class FuncEngine:
                 g = list(foreach.mul(g, n))
             grads = g if grads is None else list(foreach.add(grads, g))
             total, count = (t, c) if total is None else (total + t, count + c)
-            for k, v in piece_aux.items():
-                v = v / len(pieces)
-                aux[k] = v if k not in aux else aux[k] + v
+            add_aux(aux, piece_aux, len(pieces))
         # torch.func.grad's results may share memory (as autograd's do): not owned, so the step
         # divides them out of place
         return Grads(grads, total, count, aux, False)

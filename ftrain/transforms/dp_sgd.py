@@ -33,7 +33,7 @@ from ftrain.distributed.dtensor import dtensor, is_dtensor
 from ftrain.per_example import example_grads
 from ftrain.state import TrainState
 from ftrain.step import Gradients, Grads, Step, Transform
-from ftrain.step.engine import Forward, nonzero
+from ftrain.step.engine import Forward, add_aux, nonzero
 from ftrain.transforms.checkpoint import Checkpoint
 from ftrain.transforms.shard import Shard
 
@@ -80,9 +80,7 @@ class ClippedSumEngine:
             total = total.to(norms.device) + each.values.sum()
             clipped = clipped.to(norms.device) + (norms > self.l2_norm_clip).sum()
             n += rows
-            for k, v in each.aux.items():
-                v = v.mean() / len(pieces)
-                aux[k] = v if k not in aux else aux[k] + v
+            add_aux(aux, {k: v.mean() for k, v in each.aux.items()}, len(pieces))
         assert grads is not None  # a step has at least one piece
         count = torch.tensor(n, device=total.device)
         aux["clipped"] = clipped / max(n, 1)
