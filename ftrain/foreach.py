@@ -15,6 +15,9 @@ function costs one Python call and one thread-local read over the kernel itself.
 
 In-place functions (``add_``, ...) return their first list, as torch's kernels do; the others a
 list of new tensors.
+
+``torch._foreach_*`` are private torch names, called here and nowhere else in ftrain; a public
+multi-tensor API with vmap batching rules would replace both this module's kernels and its loop.
 """
 
 from __future__ import annotations

@@ -33,13 +33,20 @@ __all__ = ["keyed_dropout", "dropout", "attention"]
 
 def dropout(x: torch.Tensor, p: float, key: torch.Tensor) -> torch.Tensor:
     """``x`` with each entry zeroed with probability ``p`` and the others scaled by ``1/(1-p)``;
-    the mask is ``rng.uniform(key, x.shape) < p``, a pure function of ``key``."""
+    the mask is ``rng.uniform(key, x.shape) < p``, a pure function of ``key``. A ``p`` outside
+    [0, 1] raises ``ValueError``, as ``F.dropout`` does."""
+    _check_p(p)
     if p == 0.0:
         return x
     if p == 1.0:
         return torch.zeros_like(x)
     keep = rng.uniform(key, x.shape, device=x.device) >= p
     return torch.where(keep, x * (1.0 / (1.0 - p)), torch.zeros_like(x))
+
+
+def _check_p(p: float) -> None:
+    if not 0.0 <= p <= 1.0:  # torch's own check and message, kept under the mode
+        raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
 
 
 def attention(
@@ -112,6 +119,7 @@ class keyed_dropout(TorchFunctionMode):  # noqa: N801 - used as a function: `wit
         if func is F.dropout:
             p, training, inplace = _bound(args, kwargs, _DROPOUT_ARGS, _DROPOUT_DEFAULTS, 1)
             (x,) = _leading(args, kwargs, ("input",))
+            _check_p(p)
             if not training or p == 0.0:
                 return x
             out = dropout(x, p, self._next_key())

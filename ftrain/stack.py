@@ -134,8 +134,13 @@ def members(state: TrainState, where: str = "ft.unstack(state)") -> int:
         if t.dim() == 0 or t.shape[0] != k:
             raise ValueError(
                 f"{where}: {key!r} has shape {list(t.shape)}, without the leading member "
-                f"dimension of size {k} that every leaf of a stacked state has. Add entries "
-                "before stacking (stack plain_step.init_extra(s) of each state s)."
+                f"dimension of size {k} that every leaf of a stacked state has."
+                + (
+                    " A transform added it after stacking: stack plain_step.init_extra(s) of "
+                    "each state s instead."
+                    if key.startswith("extra")
+                    else " Build stacked states with ft.stack, not by hand."
+                )
             )
     return k
 
@@ -147,8 +152,9 @@ def unstack(state: TrainState) -> list[TrainState]:
     leaves the stacked state and the other members as they were.
 
     **Invariant:** ``ft.stack(ft.unstack(state))`` equals ``state``; ``ft.unstack(state)[i]``
-    trained by the plain step continues exactly as member i would inside ``ft.vmap`` of that step
-    where no random numbers are drawn (see ``ft.vmap`` for dropout).
+    trained by the plain step continues as member i would inside ``ft.vmap`` of that step where
+    no random numbers are drawn, to the rounding of batched kernels (1e-5 relative in the tests;
+    see ``ft.vmap``, also for dropout).
     """
     k = members(state)
     leaves = list(_flat(state).values())

@@ -82,3 +82,13 @@ def test_dropout_keeps_the_expected_fraction():
     out = dropout(torch.ones(100_000), 0.25, torch.tensor(1))
     assert abs(float((out == 0).float().mean()) - 0.25) < 0.01
     assert torch.allclose(out[out != 0], torch.tensor(1 / 0.75))
+
+
+@pytest.mark.parametrize("p", [-0.1, 1.5])
+def test_a_probability_outside_0_1_is_refused_as_torch_refuses_it(p):
+    x = torch.ones(4)
+    with pytest.raises(ValueError, match="between 0 and 1") as theirs:
+        F.dropout(x, p)
+    with keyed_dropout(torch.tensor(1)), pytest.raises(ValueError) as ours:
+        F.dropout(x, p, training=False)  # checked before training is looked at, as torch does
+    assert str(ours.value) == str(theirs.value)

@@ -204,9 +204,13 @@ def test_bad_arguments_and_orders_are_refused_when_built():
         def engine(self, engine):
             return AutogradEngine()
 
-    with pytest.raises(ValueError, match="Apply ft.dp_sgd before ft.my_engine"):
-        ft.dp_sgd(MyEngine()(plain), 1.0, 1.0)
-    MyEngine()(step)  # after it: it is given dp_sgd's engine to wrap
+    # either order: an engine set after dp_sgd's could drop the clipping and keep the noise
+    for build in (lambda: ft.dp_sgd(MyEngine()(plain), 1.0, 1.0), lambda: MyEngine()(step)):
+        with pytest.raises(ValueError, match="ft.dp_sgd and ft.my_engine both set"):
+            build()
+    for build in (lambda: ft.vmap(step), lambda: ft.dp_sgd(ft.vmap(plain), 1.0, 1.0)):
+        with pytest.raises(ValueError, match=r"ft\.(vmap|dp_sgd) and ft\.(vmap|dp_sgd) both set"):
+            build()
 
 
 def test_on_two_ranks_noise_added_once(two_ranks):

@@ -152,8 +152,9 @@ def on_owners(
     * plain tensors are computed on every rank (they hold the same value everywhere).
 
     ``dtype`` casts every tensor (each rank's rows, before they travel) for ``fn``: bfloat16
-    halves the bytes of float32. **Invariant:** the whole value of each result equals
-    ``fn([whole])[0]`` in one process, for a ``fn`` that computes each tensor independently and
+    halves the bytes of float32; the results then come back in ``dtype`` (cast them back where
+    the caller needs the input's). **Invariant:** the whole value of each result equals
+    ``fn([whole])[0]`` in one process (``whole.to(dtype)`` when ``dtype`` is given), for a ``fn`` that computes each tensor independently and
     gives the same bits batched or alone (rows may be 0 on some rank; any world size).
     """
     d = dtensor() if any(is_dtensor(t) for t in tensors) else None

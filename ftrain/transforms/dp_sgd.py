@@ -122,11 +122,13 @@ class DpSgd(Transform):
                     "saved-tensor hooks, which torch.func (per-example gradients) refuses. Use "
                     "ft.shard(step, 'ddp'), 'zero1' or 'zero2'."
                 )
-        engines = [t.name for t in inner if t.uses("engine")]
+        # before or after: a later engine hook could drop the clipping and keep the noise, a run
+        # that looks private and is not
+        engines = [t.name for t in (*inner, *outer) if t.uses("engine")]
         if engines:
             raise ValueError(
-                f"ft.dp_sgd replaces the gradient engine, and ft.{engines[0]} was applied before "
-                f"it and sets one too. Apply ft.dp_sgd before ft.{engines[0]}."
+                f"ft.dp_sgd and ft.{engines[0]} both set the step's gradient engine (ft.dp_sgd's "
+                "clips each example's gradient), so they do not compose, in either order."
             )
 
     def uses(self, hook: str) -> bool:
@@ -180,7 +182,8 @@ def dp_sgd(step: Step, l2_norm_clip: float, noise_multiplier: float) -> Step:
     The noise is drawn from ``fold_in(fold_in(state.rng, state.step), NOISE_STREAM)``: the same
     state and batch give the same step. It is added once per optimizer step (under
     ``ft.accumulate``, after the last micro-batch) and once in total under ``ft.shard`` (every
-    process draws the same numbers after the reduction). Privacy accounting (epsilon from the
+    process draws the same numbers after the reduction). The noise is only as secret as ``state.rng``: use a
+    secret seed for a release with a privacy claim (docs/privacy.md). Privacy accounting (epsilon from the
     noise multiplier, the sampling rate and the number of steps) is not part of this transform.
 
     Composes with ``ft.accumulate`` (memory: one copy of the params per example of a

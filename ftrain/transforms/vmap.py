@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from tensordict import TensorDictBase
 from torch.overrides import TorchFunctionMode
 
 from ftrain import foreach, func_scope, rng, tree
@@ -39,7 +40,7 @@ from ftrain.distributed.launch import rank_and_world
 from ftrain.keyed_dropout import keyed_dropout
 from ftrain.stack import members
 from ftrain.state import TrainState
-from ftrain.step import AutogradEngine, Step, StepFn, Transform
+from ftrain.step import Step, StepFn, Transform
 from ftrain.step.func_engine import FuncEngine
 from ftrain.transforms.checkpoint import Checkpoint
 from ftrain.transforms.shard import Shard
@@ -78,6 +79,12 @@ class Vmap(Transform):
         for t in (*inner, *outer):
             if isinstance(t, Checkpoint) and t.uses("rewrite"):
                 raise ValueError(f"ft.vmap cannot run a step with ft.checkpoint: {_NO_CHECKPOINT}")
+            if t.uses("engine"):
+                raise ValueError(
+                    f"ft.vmap and ft.{t.name} both set the step's gradient engine (ft.vmap "
+                    "differentiates each member with torch.func), so they do not compose, in "
+                    f"either order. Run ft.{t.name} on the members one at a time instead."
+                )
             if isinstance(t, Shard) and t.strategy != "ddp":
                 raise ValueError(
                     f"ft.vmap composes with ft.shard(step, 'ddp') only, not {t.strategy!r}: the "
@@ -85,12 +92,7 @@ class Vmap(Transform):
                 )
 
     def engine(self, engine):
-        if not isinstance(engine, AutogradEngine):
-            raise ValueError(
-                f"ft.vmap replaces the gradient engine with torch.func's, but a transform applied "
-                f"before it set {engine!r}; apply that transform after ft.vmap."
-            )
-        return FuncEngine()
+        return FuncEngine()  # check() made sure no other transform sets one
 
     def wrap(self, fn: StepFn) -> StepFn:
         batch_axis = self.batch_axis
@@ -182,21 +184,29 @@ def _unflatten(like: TrainState, leaves: list[torch.Tensor]) -> TrainState:
     return _unflatten_with(_flatten(like)[1], leaves)
 
 
-def _tensors(batch: Any) -> list[torch.Tensor]:
-    """The tensors of a batch (a tensor, or dicts, lists and tuples of them)."""
-    if isinstance(batch, torch.Tensor):
-        return [batch]
+def _leaves(batch: Any) -> list[Any]:
+    """The leaves of a batch: a tensor, or TensorDicts, dicts, lists and tuples of them."""
+    if isinstance(batch, TensorDictBase):
+        return list(batch.values(True, True))
     if isinstance(batch, dict):
         batch = list(batch.values())
     if isinstance(batch, (list, tuple)):
-        return [t for b in batch for t in _tensors(b)]
-    return []
+        return [x for b in batch for x in _leaves(b)]
+    return [batch]
 
 
 def _check_batch(batch: Any, k: int) -> None:
-    """With ``batch_axis=0``: every tensor of the batch has a leading member dimension of size K."""
-    for t in _tensors(batch):
-        if isinstance(t, torch.Tensor) and (t.dim() == 0 or t.shape[0] != k):
+    """With ``batch_axis=0``: every leaf of the batch is a tensor with a leading member
+    dimension of size K."""
+    for t in _leaves(batch):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(
+                f"ft.vmap(step, batch_axis=0): the batch holds a {type(t).__name__} ({t!r:.40}), "
+                "which has no member dimension. Every leaf of the batch must be a tensor with "
+                "one slice per member: close other values into loss_fn, or use ft.vmap(step) "
+                "(batch_axis=None) for one batch shared by every member."
+            )
+        if t.dim() == 0 or t.shape[0] != k:
             raise ValueError(
                 f"ft.vmap(step, batch_axis=0): the batch holds a tensor of shape {list(t.shape)}, "
                 f"but each tensor needs a leading member dimension of size {k} (one slice per "
