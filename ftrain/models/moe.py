@@ -12,17 +12,30 @@ References:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
-if TYPE_CHECKING:  # annotations only: gpt.py imports this module
-    from ftrain.models.gpt import GPTConfig
+__all__ = ["MoE", "MoEConfig", "expert_mm", "expert_mm_wgrad"]
 
-__all__ = ["MoE", "expert_mm", "expert_mm_wgrad"]
+
+class MoEConfig(Protocol):
+    """What :class:`MoE` reads from its config: ``ftrain.models.GPTConfig`` has all of it (this
+    module does not import gpt.py, which imports it)."""
+
+    n_experts: int
+    top_k: int
+    d_model: int
+    bias: bool
+    dropout: float
+
+    @property
+    def ff_dim(self) -> int: ...
+
+    def make_linear(self, d_in: int, d_out: int, *, bias: bool) -> nn.Linear: ...
 
 
 # --- expert matmul as an opaque custom op --------------------------------------------------------
@@ -111,7 +124,7 @@ class MoE(nn.Module):
     onto one expert, and its gradient reaches the router through P.
     """
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: MoEConfig):
         super().__init__()
         E, d, h = config.n_experts, config.d_model, config.ff_dim
         self.n_experts, self.top_k = E, config.top_k
