@@ -143,3 +143,25 @@ def chain_step(n: int, opt=None, *, seed: int = 0):
     state = ft.TrainState.create(ft.params_of(model), opt)
     step = ft.train_step(lambda p, x: ft.apply(model, p, x).pow(2).mean(), opt)
     return step, state, model
+
+
+# -- token pairs for the optimizer comparisons (test_optim*.py) --------------------------------
+
+
+def make_batches(n: int = 50, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``n`` pairs ``(input, target)`` of random tokens, (4, 16) each, the same for a seed."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randint(0, 64, (4, 16), generator=g), torch.randint(0, 64, (4, 16), generator=g))
+        for _ in range(n)
+    ]
+
+
+def mean_ce(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Token cross-entropy as a plain mean, as a torch.optim loop computes it."""
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def flat(td) -> dict[str, torch.Tensor]:
+    """A TensorDict's leaves keyed by dotted path."""
+    return dict(td.flatten_keys(".").items())

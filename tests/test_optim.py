@@ -19,33 +19,16 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import ftrain as ft
 from ftrain import optim
 
-from _tiny import tiny_gpt
+from _tiny import flat, make_batches, mean_ce, tiny_gpt
 
 STEPS = 50
 
 
 # --- helpers ---------------------------------------------------------------------------------
-
-
-def make_batches(n: int = STEPS, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(seed)
-    return [
-        (torch.randint(0, 64, (4, 16), generator=g), torch.randint(0, 64, (4, 16), generator=g))
-        for _ in range(n)
-    ]
-
-
-def mean_ce(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
-
-
-def flat(td) -> dict[str, torch.Tensor]:
-    return dict(td.flatten_keys(".").items())
 
 
 def torch_run(model, make_opt, batches) -> dict[str, torch.Tensor]:

@@ -14,34 +14,17 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import ftrain as ft
 from ftrain import optim
 from ftrain.testing import assert_no_recompile
 
-from _tiny import tiny_gpt
+from _tiny import flat, make_batches, mean_ce, tiny_gpt
 
 schedulefree = pytest.importorskip("schedulefree")
 
 STEPS = 50
 LR = 3e-3
-
-
-def make_batches(n: int = STEPS, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(seed)
-    return [
-        (torch.randint(0, 64, (4, 16), generator=g), torch.randint(0, 64, (4, 16), generator=g))
-        for _ in range(n)
-    ]
-
-
-def mean_ce(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
-
-
-def flat(td) -> dict[str, torch.Tensor]:
-    return dict(td.flatten_keys(".").items())
 
 
 def rel(a: dict, b: dict) -> float:
