@@ -8,7 +8,7 @@ import torch
 from ftrain import foreach
 from ftrain.optim.base import LeafContext
 
-__all__ = ["zero_count", "mul", "add_", "check_same_keys", "norms_and_roots"]
+__all__ = ["zero_count", "mul", "add_", "as_update", "check_same_keys", "norms_and_roots"]
 
 
 def zero_count() -> torch.Tensor:
@@ -31,6 +31,16 @@ def add_(u: list[torch.Tensor], value: torch.Tensor) -> None:
         foreach.add_(u, [value] * len(u))
     else:
         foreach.add_(u, value)
+
+
+def as_update(g: list[torch.Tensor], m: list[torch.Tensor], owned: bool) -> list[torch.Tensor]:
+    """The state ``m`` (e.g. a momentum) as the update, never aliasing it: copied into the
+    gradient buffers ``g`` when they are ours to overwrite, else cloned. The step adds the update
+    to the params and may donate the state, so the two must not share memory."""
+    if owned:
+        foreach.copy_(g, m)
+        return g
+    return [t.clone() for t in m]
 
 
 def check_same_keys(ctx: LeafContext, fn: str, *names: str) -> None:

@@ -30,7 +30,7 @@ from tensordict import TensorDict, TensorDictBase
 from ftrain import foreach, tree
 from ftrain.optim.base import GradientTransformation, chain, empty_state, leafwise
 from ftrain.optim.checks import check_range, checked
-from ftrain.optim.kernels import check_same_keys, mul
+from ftrain.optim.kernels import as_update, check_same_keys, mul
 from ftrain.optim.partition import partition
 from ftrain.optim.schedules import Schedule
 from ftrain.optim.transforms import add_decayed_weights, scale_by_adam, scale_by_learning_rate
@@ -127,11 +127,8 @@ def ema_momentum(decay: float, nesterov: bool = False) -> GradientTransformation
             u = g
         elif nesterov:
             u = list(foreach.lerp(g, m, decay))
-        elif ctx.owned:  # the update must not alias the state: copy m into the update buffers
-            foreach.copy_(g, m)
-            u = g
         else:
-            u = [t.clone() for t in m]
+            u = as_update(g, m, ctx.owned)
         new_s = list(s)
         new_s[lo:hi] = m
         return u, new_s

@@ -22,7 +22,14 @@ from ftrain.optim.base import (
     leafwise,
     masked,
 )
-from ftrain.optim.kernels import add_, check_same_keys, mul, norms_and_roots, zero_count
+from ftrain.optim.kernels import (
+    add_,
+    as_update,
+    check_same_keys,
+    mul,
+    norms_and_roots,
+    zero_count,
+)
 from ftrain.optim.schedules import Schedule, as_schedule
 
 __all__ = [
@@ -141,11 +148,8 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
                 u = g
             else:
                 u = list(foreach.add(g, m, alpha=decay))
-        elif ctx.owned:  # the update must not alias the state: copy m into the update buffers
-            foreach.copy_(g, m)
-            u = g
         else:
-            u = [t.clone() for t in m]
+            u = as_update(g, m, ctx.owned)
         new_s = list(s)
         new_s[lo:hi] = m
         return u, new_s
