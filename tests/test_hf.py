@@ -6,6 +6,7 @@ import torch
 
 import ftrain as ft
 
+from _hf import tiny_hf_dir
 from _tiny import lm_batch
 
 transformers = pytest.importorskip("transformers")
@@ -82,3 +83,35 @@ def test_tiny_gpt2_builds_a_small_stateless_template():
     params = {k: torch.zeros_like(v) for k, v in model.named_parameters()}
     out = torch.func.functional_call(model, params, (idx,)).logits
     assert torch.equal(out, torch.zeros_like(out))  # usable as a stateless template
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_load_causal_lm_reads_a_save_pretrained_folder_offline(tmp_path, kind):
+    from ftrain.models import load_causal_lm
+
+    folder = tiny_hf_dir(tmp_path / kind, kind)
+    model = load_causal_lm(folder)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    assert model.training and not model.config.use_cache
+    assert next(model.parameters()).dtype == torch.float32
+    x = torch.randint(
+        0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0)
+    )
+    ref.eval()
+    with torch.no_grad():
+        want = ref(x).logits
+        got = ft.apply(model.eval(), ft.params_of(model), x).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_load_causal_lm_refuses_a_folder_without_config_or_safetensors(tmp_path):
+    from ftrain.models import load_causal_lm
+
+    with pytest.raises(FileNotFoundError, match="--model-dir .* is not a directory"):
+        load_causal_lm(tmp_path / "missing")
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        load_causal_lm(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors.*safe_serialization"):
+        load_causal_lm(tmp_path)

@@ -17,7 +17,7 @@ from ftrain.data.collate import IGNORE_INDEX, PadCollate, padding_fraction, stac
 from ftrain.data.datasets import DocumentDataset, TokenDataset, split_ranges
 from ftrain.data.order import BucketByLength, Sequential, Shuffled, bucket_by_length
 from ftrain.data.pipeline import Loader, LoaderIterator, loader
-from ftrain.data.tokenizers import ByteTokenizer
+from ftrain.data.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
 
 __all__ = [
     "IGNORE_INDEX",
@@ -25,6 +25,7 @@ __all__ = [
     "BuildSummary",
     "ByteTokenizer",
     "DocumentDataset",
+    "HFTokenizer",
     "Loader",
     "LoaderIterator",
     "PadCollate",
@@ -34,6 +35,7 @@ __all__ = [
     "bucket_by_length",
     "build_token_dataset",
     "corpora",
+    "load_tokenizer",
     "loader",
     "padding_fraction",
     "split_ranges",
