@@ -60,19 +60,20 @@ def bpe_tokenizer(folder: str | Path, vocab_size: int = 320) -> Path:
 
 def tiny_config(kind: str, vocab_size: int, *, n_positions: int = 64):
     """A ``GPT2Config`` or ``LlamaConfig`` (``kind`` "gpt2" or "llama") of width 32, 2 layers,
-    no dropout, no KV cache."""
+    no dropout, no KV cache; BOS and EOS are id 0, the tokenizer's ``<|endoftext|>``."""
     from transformers import GPT2Config, LlamaConfig
 
     if kind == "gpt2":
         return GPT2Config(
             vocab_size=vocab_size, n_positions=n_positions, n_embd=32, n_layer=2, n_head=2,
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+            bos_token_id=0, eos_token_id=0,
         )  # fmt: skip
     if kind == "llama":
         return LlamaConfig(
             vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=n_positions,
-            use_cache=False,
+            use_cache=False, bos_token_id=0, eos_token_id=0,
         )  # fmt: skip
     raise ValueError(f"tiny_config: kind must be 'gpt2' or 'llama', got {kind!r}")
 
@@ -99,3 +100,21 @@ def write_jsonl(path: str | Path, records: list) -> Path:
     lines = [r if isinstance(r, str) else json.dumps(r) for r in records]
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def packed_and_alone(logits_fn, example: dict) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Per-token losses of a packed row (``example`` from ``TokenDataset(..., pack=True)``) run
+    as one row, and the same tokens' losses when each document of the row (each run of positions
+    from 0) runs alone; and the number of documents. ``logits_fn(input (1, t), position_ids or
+    None) -> (1, t, vocab)``."""
+    import torch.nn.functional as F
+
+    x, y, pos = example["input"], example["target"], example["position_ids"]
+    with torch.no_grad():
+        packed = F.cross_entropy(logits_fn(x[None], pos[None])[0], y, reduction="none")
+        starts = [*(pos == 0).nonzero().flatten().tolist(), len(x)]
+        alone = torch.cat([
+            F.cross_entropy(logits_fn(x[a:b][None], None)[0], y[a:b], reduction="none")
+            for a, b in zip(starts[:-1], starts[1:])
+        ])  # fmt: skip
+    return packed, alone, len(starts) - 1

@@ -32,7 +32,7 @@ def test_build_writes_each_document_then_eot(token_corpus, token_build, read_doc
 
 def test_build_skips_and_counts_bad_files(token_corpus, token_build):
     meta = json.loads((token_build / "meta.json").read_text())
-    assert meta["skipped"] == {"undecodable": 1, "unreadable": 1, "empty": 1}
+    assert meta["skipped"] == {"undecodable": 1, "unreadable": 1, "empty": 1, "invalid": 0}
     assert sorted(Path(f).name for f in meta["skipped_files"]) == [
         "empty.py",
         "latin1.py",

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import ftrain as ft
+from ftrain.models import load_causal_lm
 
 from _hf import tiny_hf_dir
 from _tiny import lm_batch
@@ -87,8 +88,6 @@ def test_tiny_gpt2_builds_a_small_stateless_template():
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_load_causal_lm_reads_a_save_pretrained_folder_offline(tmp_path, kind):
-    from ftrain.models import load_causal_lm
-
     folder = tiny_hf_dir(tmp_path / kind, kind)
     model = load_causal_lm(folder)
     ref = transformers.AutoModelForCausalLM.from_pretrained(folder)
@@ -105,8 +104,6 @@ def test_load_causal_lm_reads_a_save_pretrained_folder_offline(tmp_path, kind):
 
 
 def test_load_causal_lm_refuses_a_folder_without_config_or_safetensors(tmp_path):
-    from ftrain.models import load_causal_lm
-
     with pytest.raises(FileNotFoundError, match="--model-dir .* is not a directory"):
         load_causal_lm(tmp_path / "missing")
     with pytest.raises(FileNotFoundError, match="no config.json"):
@@ -115,3 +112,29 @@ def test_load_causal_lm_refuses_a_folder_without_config_or_safetensors(tmp_path)
     (tmp_path / "pytorch_model.bin").write_bytes(b"")
     with pytest.raises(FileNotFoundError, match="no \\*.safetensors.*safe_serialization"):
         load_causal_lm(tmp_path)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_packed_rows_give_each_document_its_losses_alone(tmp_path, kind):
+    """--pack with a Hugging Face model: given position_ids restarting at each document (and no
+    attention mask), transformers keeps attention within documents; checked per token."""
+    from ftrain import data
+
+    from _hf import CORPUS, packed_and_alone
+
+    folder = tiny_hf_dir(tmp_path / kind, kind)
+    model = load_causal_lm(folder).eval()
+    tok = data.load_tokenizer(folder)
+    texts = [(str(i), t) for i, t in enumerate(CORPUS[:5] * 3)]
+    data.build_token_dataset(texts, tmp_path / "tokens", tok, progress=False)
+    rows = data.TokenDataset(tmp_path / "tokens", 48, seed=0, pack=True, splits=(1, 0, 0))
+
+    def logits(x, pos):
+        return (model(x) if pos is None else model(x, position_ids=pos)).logits
+
+    for i in range(2):
+        packed, alone, docs = packed_and_alone(logits, rows[i])
+        assert docs >= 2
+        torch.testing.assert_close(packed, alone, rtol=0, atol=1e-5)
+    leaky, alone, _ = packed_and_alone(lambda x, pos: model(x).logits, rows[0])
+    assert (leaky - alone).abs().max() > 1e-3  # without position_ids, documents see each other
