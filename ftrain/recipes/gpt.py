@@ -43,6 +43,7 @@ __all__ = [
     "data_dir",
     "eval_params",
     "make_loss_fn",
+    "run_config",
     "sample",
     "sample_text",
     "set_peak_lr",
@@ -288,6 +289,19 @@ def sample_text(
     return tok.decode(out[0].tolist())
 
 
+def run_config(run: str | Path) -> tuple[Path, TrainConfig]:
+    """The newest valid checkpoint of the run folder ``run`` (or the checkpoint folder ``run``)
+    and the settings it was trained with (those this version knows)."""
+    run = Path(run)
+    latest = ft.latest_checkpoint(run) if not (run / "meta.json").exists() else run
+    if latest is None:
+        raise SystemExit(f"ftrain sample: no checkpoint in {run}")
+    saved: dict[str, Any] = rundir.saved_config(ft.load_meta(latest))
+    # Only this version's settings: a checkpoint written by another version may hold others.
+    known = {f.name for f in dataclasses.fields(TrainConfig)} - {"config"}
+    return latest, TrainConfig(**{k: v for k, v in saved.items() if k in known})
+
+
 def sample(
     run: str | Path,
     prompt: str,
@@ -299,22 +313,7 @@ def sample(
     """:func:`sample_text` from the newest valid checkpoint of the run folder ``run`` (or from the
     checkpoint folder ``run``), with the model its saved settings describe and the params
     :func:`eval_params` gives."""
-    run = Path(run)
-    latest = ft.latest_checkpoint(run) if not (run / "meta.json").exists() else run
-    if latest is None:
-        raise SystemExit(f"ftrain sample: no checkpoint in {run}")
-    saved: dict[str, Any] = rundir.saved_config(ft.load_meta(latest))
-    # Only this version's settings: a checkpoint written by another version may hold others.
-    known = {f.name for f in dataclasses.fields(TrainConfig)} - {"config"}
-    cfg = TrainConfig(**{k: v for k, v in saved.items() if k in known})
-    if cfg.model_dir:  # a Hugging Face model's run: its recipe samples
-        from ftrain.recipes import hf
-
-        params = eval_params(cfg, ft.load(latest))
-        return hf.sample_text(
-            hf.build_model(cfg), params, prompt, max_new_tokens, temperature=temperature,
-            top_k=top_k, seed=seed,
-        )  # fmt: skip
+    latest, cfg = run_config(run)
     model, params = build_model(cfg), eval_params(cfg, ft.load(latest))
     return sample_text(
         model, params, prompt, max_new_tokens, temperature=temperature, top_k=top_k, seed=seed

@@ -27,6 +27,7 @@ import ftrain as ft
 from ftrain import data
 from ftrain.config import TrainConfig
 from ftrain.models import generate, load_causal_lm
+from ftrain.models.hf import check_model_dir
 from ftrain.recipes import gpt
 
 __all__ = ["build", "build_model", "context_length", "make_loss_fn", "sample_text"]
@@ -36,6 +37,7 @@ def build(cfg: TrainConfig, *, rank: int = 0, world: int = 1, quiet: bool = Fals
     """As :func:`ftrain.recipes.gpt.build`, for the model in ``cfg.model_dir``. Every check
     (the folder, the tokenizer, ``--seq-len`` against the model's context, ``--pack`` against
     its forward) runs here, before the first step."""
+    check_model_dir(cfg.model_dir)  # the folder first: then its tokenizer, then the model
     tokenizer = data.load_tokenizer(cfg.model_dir)
     model = build_model(cfg, tokenizer)
     loader, valid = gpt.build_data(cfg, rank=rank, world=world, quiet=quiet, tokenizer=tokenizer)
