@@ -34,7 +34,8 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     t = sub.add_parser(
         "train",
         help="train a byte-level GPT on the Python standard library",
-        description="Train a byte-level GPT on the built-in corpus (the Python standard library). "
+        description="Train a byte-level GPT on the built-in corpus (the Python standard library), "
+        "or your Hugging Face model (--model-dir) on your data (--data). "
         "Every setting is a flag and a key of --config FILE.toml; flags win.",
     )
     add_arguments(t)

@@ -161,6 +161,16 @@ class TrainConfig:
                 "per-block gathering of the params); use --shard zero2 with --compile, or drop "
                 "--compile"
             )
+        if self.data is not None and not Path(self.data).exists():
+            raise ValueError(
+                f"--data {self.data!r} does not exist; pass a text file, a folder of them, a "
+                ".jsonl or a .parquet file"
+            )
+        if self.model_dir is not None and not Path(self.model_dir).is_dir():
+            raise ValueError(
+                f"--model-dir {self.model_dir!r} is not a directory; pass the folder that "
+                "model.save_pretrained(folder) and tokenizer.save_pretrained(folder) wrote"
+            )
         from ftrain.optim import OPTIMIZERS
 
         if self.optimizer not in OPTIMIZERS:
