@@ -172,7 +172,9 @@ def test_bad_data_is_counted_and_listed_with_file_and_line(tmp_path):
     (tmp_path / "b" / "mask.bin").unlink()  # a masked build without its mask is not whole
     with pytest.raises(ValueError, match="mask.bin is missing"):
         data.TokenDataset(tmp_path / "b", 2, splits=(1, 0, 0))
-    with pytest.raises(ValueError, match="corpus is empty.*the file is empty.*x.jsonl: No such file"):
+    with pytest.raises(
+        ValueError, match="corpus is empty.*the file is empty.*x.jsonl: No such file"
+    ):
         data.build_token_dataset(
             [tmp_path / "empty.jsonl", (src.with_name("x.jsonl"))], tmp_path / "c", progress=False
         )
