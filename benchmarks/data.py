@@ -11,6 +11,11 @@ Questions, each answered by measuring both sides in the same run, interleaved, a
    live loader against the same step on batches built beforehand. Target: ratio <= 1.03.
 3. Padding: fraction of padded positions of variable-length documents, random vs length-bucketed.
 4. On a CUDA machine: host-to-device copy time of pinned vs pageable batches.
+5. Packing: useful (predicted, not padding) tokens per second of a training step on documents of a
+   skewed length distribution, packed into full rows (`TokenDataset(pack=True)`: the GPT's
+   block-diagonal mask, positions restarting per document) against one document per row padded
+   (`DocumentDataset` + `PadCollate`, random and length-bucketed batches). Target: >= 1.5x.
+   `python benchmarks/data.py --packing` runs only this one and writes its own section.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from _common import RESULTS, machine, write_section  # benchmarks/_common.py
@@ -29,6 +35,7 @@ from torch import nn
 from ftrain import data
 
 SECTION = "Data"
+PACK_SECTION = "Data: packed vs padded"
 
 
 # -- a small GPT in plain PyTorch (the default model's size) ----------------------------------------
@@ -219,6 +226,84 @@ def h2d_copy(rounds: int = 50) -> list[dict]:
     return rows
 
 
+def skewed_docs(n: int = 3000) -> list[tuple[str, str]]:
+    """Texts of lognormal lengths (median 48 bytes, a long tail to 2048): most short, a few long."""
+    gen = torch.Generator().manual_seed(0)
+    lengths = (torch.randn(n, generator=gen) * 1.1 + 3.9).exp().clamp(8, 2048).long()
+    letters = torch.randint(97, 123, (int(lengths.sum()),), generator=gen).tolist()
+    text, out, at = "".join(map(chr, letters)), [], 0
+    for i, n_i in enumerate(lengths.tolist()):
+        out.append((str(i), text[at : at + n_i]))
+        at += n_i
+    return out
+
+
+def packed_vs_padded(tmp: str, rounds: int, steps: int, T: int = 256, B: int = 8) -> dict:
+    """Useful tokens per second of the same GPT step fed packed rows or padded documents."""
+    from ftrain.models import GPT, GPTConfig
+
+    build = data.build_token_dataset(skewed_docs(), tmp, progress=False)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(seq_len=T, d_model=128, n_layer=4, n_head=4, matmul="torch"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step(batch):
+        packed = {"position_ids": batch["position_ids"]} if "position_ids" in batch else {}
+        logits = model(batch["input"], **packed)  # (B, t, vocab)
+        loss = F.cross_entropy(logits.flatten(0, 1), batch["target"].flatten(), ignore_index=-100)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        loss.item()  # host sync
+
+    docs = data.DocumentDataset(tmp, T, splits=(1, 0, 0))
+    feeds = {
+        "packed": data.loader(
+            data.TokenDataset(tmp, T, pack=True, splits=(1, 0, 0)), B, infinite=True
+        ),
+        "padded, random": data.loader(docs, B, infinite=True),
+        "padded, bucketed": data.loader(docs, B, infinite=True, order="length"),
+    }
+    its = {k: iter(v) for k, v in feeds.items()}
+    useful = {k: 0 for k in feeds}
+    seconds = {k: 0.0 for k in feeds}
+    for r in range(rounds + 1):  # round 0 warms up
+        for k, it in its.items():
+            batches = [next(it) for _ in range(steps)]  # read outside the timer
+            t = time.perf_counter()
+            for b in batches:
+                step(b)
+            if r:
+                seconds[k] += time.perf_counter() - t
+                useful[k] += sum(int((b["target"] != -100).sum()) for b in batches)
+    for it in its.values():
+        it.close()
+    rate = {k: useful[k] / seconds[k] for k in feeds}
+    lengths = docs.lengths
+    return dict(build=build, rate=rate, T=T, B=B, steps=rounds * steps, mean=float(lengths.mean()),
+                median=float(np.median(lengths)), max=int(lengths.max()))  # fmt: skip
+
+
+def pack_report(p: dict, load: str) -> str:
+    b = p["build"]
+    lines = [
+        f"`python benchmarks/data.py --packing` on {machine()}. 1-minute load average at start and "
+        f"end: {load} (above 2 the machine was shared with other jobs; every mode ran in each "
+        "round, in turn, so load changes hit all alike).",
+        f"Data: {b.num_docs:,} synthetic byte documents of lognormal length (mean {p['mean']:.0f}, "
+        f"median {p['median']:.0f}, longest {p['max']} tokens, cut at {p['T']}); the built-in GPT "
+        f"(d 128, 4 layers, 4 heads), AdamW, batches of {p['B']} rows of at most {p['T']} "
+        f"tokens, {p['steps']} timed steps per mode. Useful tokens: targets that are predicted "
+        "(not padding).",
+        "",
+        "| rows | useful tokens/s | packed / this |",
+        "| --- | --- | --- |",
+    ]
+    for k, v in p["rate"].items():
+        lines.append(f"| {k} | {v:,.0f} | {p['rate']['packed'] / v:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
 # -- report ----------------------------------------------------------------------------------------
 
 
@@ -306,9 +391,18 @@ def report(build, tput, fed, pads, h2d, load: str) -> str:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a smoke run; RESULTS.md is not written")
+    ap.add_argument("--packing", action="store_true", help="only question 5 (packed vs padded)")
     args = ap.parse_args()
     rounds, k, steps = (2, 50, 3) if args.quick else (16, 100, 8)
     load_start = loadavg()
+    with tempfile.TemporaryDirectory() as tmp:
+        p = packed_vs_padded(tmp, *((1, 2) if args.quick else (4, 6)))
+    pack_section = pack_report(p, f"{load_start} / {loadavg()}")
+    print(pack_section)
+    if not args.quick:
+        write_section(PACK_SECTION, pack_section)
+    if args.packing:
+        return
 
     with tempfile.TemporaryDirectory() as tmp:
         build = data.build_token_dataset(data.corpora.python_stdlib(), tmp, progress=False)

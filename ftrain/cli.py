@@ -2,7 +2,7 @@
 
     ftrain train --help                           # every setting of ftrain.config.TrainConfig
     ftrain train --out runs/a                     # ftrain.loop.train with the built-in recipe
-    ftrain sample --run runs/a --prompt "def "    # ftrain.recipes.gpt.sample
+    ftrain sample --run runs/a --prompt "def "    # ftrain.recipes.sample
 
 Bad flags get argparse's usage message and exit code 2, never a traceback; a damaged checkpoint
 gets its message and exit code 1; a run stopped by Ctrl-C (its checkpoint saved) exits with 130.
@@ -34,7 +34,8 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     t = sub.add_parser(
         "train",
         help="train a byte-level GPT on the Python standard library",
-        description="Train a byte-level GPT on the built-in corpus (the Python standard library). "
+        description="Train a byte-level GPT on the built-in corpus (the Python standard library), "
+        "or your Hugging Face model (--model-dir) on your data (--data). "
         "Every setting is a flag and a key of --config FILE.toml; flags win.",
     )
     add_arguments(t)
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     if ns.command == "sample":
         if ns.max_new_tokens < 1 or ns.temperature < 0 or ns.top_k < 0:
             p.error("sample: --max-new-tokens >= 1, --temperature >= 0 and --top-k >= 0")
-        from ftrain.recipes.gpt import sample
+        from ftrain.recipes import sample
 
         try:
             text = sample(

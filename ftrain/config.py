@@ -52,6 +52,12 @@ class TrainConfig:
     dropout: float = _f(0.0, "dropout probability")
     n_experts: int = _f(0, "mixture-of-experts feed-forward with this many experts (0 = dense)")
     top_k: int = _f(1, "experts per token when n_experts > 0")
+    model_dir: str | None = _f(
+        None,
+        "train this Hugging Face causal LM instead (a save_pretrained folder with its tokenizer; "
+        "local files only; the model flags above then do not apply)",
+        metavar="DIR",
+    )
     # -- batch ----------------------------------------------------------------------------------
     batch_size: int = _f(16, "rows per micro-batch per process (one forward/backward)")
     micro_batches: int = _f(1, "micro-batches accumulated per optimizer step")
@@ -80,6 +86,15 @@ class TrainConfig:
         None, "token cache (default: $FTRAIN_CACHE or ~/.cache/ftrain)/stdlib", metavar="DIR"
     )
     num_workers: int = _f(0, "loader worker threads")
+    data: str | None = _f(
+        None,
+        "train on this: a text file, a folder of them, .jsonl (text, or chat messages: loss on "
+        "the assistant's tokens) or .parquet (default: the Python standard library)",
+        metavar="PATH",
+    )
+    pack: bool = _f(
+        False, "keep attention within each document of a row and restart positions at each"
+    )
     # -- logging, evaluation, checkpoints --------------------------------------------------------
     log_every: int = _f(10, "steps between metrics.jsonl lines (each is one host sync)")
     eval_every: int = _f(100, "steps between validation losses (0 = off)")
@@ -145,6 +160,16 @@ class TrainConfig:
                 "--compile cannot be combined with --shard fsdp (torch.compile cannot trace fsdp's "
                 "per-block gathering of the params); use --shard zero2 with --compile, or drop "
                 "--compile"
+            )
+        if self.data is not None and not Path(self.data).exists():
+            raise ValueError(
+                f"--data {self.data!r} does not exist; pass a text file, a folder of them, a "
+                ".jsonl or a .parquet file"
+            )
+        if self.model_dir is not None and not Path(self.model_dir).is_dir():
+            raise ValueError(
+                f"--model-dir {self.model_dir!r} is not a directory; pass the folder that "
+                "model.save_pretrained(folder) and tokenizer.save_pretrained(folder) wrote"
             )
         from ftrain.optim import OPTIMIZERS
 

@@ -35,7 +35,7 @@ from ftrain.config import TrainConfig, flag_name
 
 # The one import of the sharding helpers (the recipe composes the step with the public ft.shard).
 from ftrain.distributed import shard_state, unshard, unshard_state
-from ftrain.recipes import gpt
+from ftrain.recipes import for_config, gpt
 
 __all__ = ["RESUME_FIXED", "evaluate", "train"]
 
@@ -51,7 +51,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     cfg, rank, world = _launch(cfg)
     main = rank == 0
     out = Path(_from_rank0(str(rundir.prepare_out(cfg)) if main else None, world))
-    recipe = gpt.build(cfg, rank=rank, world=world, quiet=not main)
+    recipe = for_config(cfg).build(cfg, rank=rank, world=world, quiet=not main)
     run = _Run(cfg, rank, world, out, recipe)
     state, start = _restore(run)
     if cfg.shard != "none":
@@ -175,7 +175,7 @@ def _check_world_size(meta: dict, world: int) -> None:
 # Settings that fix the model, the data or the random stream: a run cannot continue exactly
 # with another value. The others (lr, max_steps, logging, ...) may change on --resume.
 RESUME_FIXED = ("seed", "seq_len", "d_model", "n_layer", "n_head", "bias", "n_experts", "top_k",
-                "batch_size", "data_dir")  # fmt: skip
+                "batch_size", "data_dir", "model_dir", "data", "pack")  # fmt: skip
 _NOT_COMPARED = ("out", "resume", "config", "progress")
 
 
@@ -295,13 +295,15 @@ def evaluate(model: torch.nn.Module, params, dataset, cfg: TrainConfig) -> float
     compare. ``model`` is not changed."""
 
     def loss_fn(params, batch):
-        return ft.losses.cross_entropy(ft.apply(model, params, batch["input"]), batch["target"])
+        packed = {"position_ids": batch["position_ids"]} if "position_ids" in batch else {}
+        out = ft.apply(model, params, batch["input"], **packed)
+        return ft.losses.cross_entropy(getattr(out, "logits", out), batch["target"])  # HF: .logits
 
     def batches():
         n = min(len(dataset), cfg.eval_batches * cfg.batch_size)
         for start in range(0, n, cfg.batch_size):
             rows = [dataset[i] for i in range(start, min(start + cfg.batch_size, n))]
-            yield {k: torch.stack([r[k] for r in rows]) for k in ("input", "target")}
+            yield {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
 
     return ft.evaluate(loss_fn, params, batches())["loss"]
 
@@ -376,7 +378,7 @@ def _outputs(
     rundir.plot_losses(report.log.records(), out / "loss.png")
     text = ""
     if cfg.sample_tokens:
-        text = gpt.sample_text(model, params, "def ", cfg.sample_tokens, seed=cfg.seed)
+        text = for_config(cfg).sample_text(model, params, "def ", cfg.sample_tokens, seed=cfg.seed)
         (out / "sample.txt").write_text(text)
     print(
         f"ftrain train: {step} steps in {summary['seconds']:.0f} s; "

@@ -19,6 +19,8 @@ from ftrain.cli import main, parser
         (["--optimizer", "adamm"], "--optimizer must be one of"),
         (["--max-steps", "0"], "--max-steps must be >= 1"),
         (["--frobnicate"], "unrecognized arguments"),
+        (["--data", "no/such.jsonl"], "--data 'no/such.jsonl' does not exist; pass a text file"),
+        (["--model-dir", "no/such"], "--model-dir 'no/such' is not a directory; pass the folder"),
         (
             ["--shard", "fsdp", "--compile"],
             "--compile cannot be combined with --shard fsdp (torch.compile cannot trace fsdp's "

@@ -32,7 +32,7 @@ def test_build_writes_each_document_then_eot(token_corpus, token_build, read_doc
 
 def test_build_skips_and_counts_bad_files(token_corpus, token_build):
     meta = json.loads((token_build / "meta.json").read_text())
-    assert meta["skipped"] == {"undecodable": 1, "unreadable": 1, "empty": 1}
+    assert meta["skipped"] == {"undecodable": 1, "unreadable": 1, "empty": 1, "invalid": 0}
     assert sorted(Path(f).name for f in meta["skipped_files"]) == [
         "empty.py",
         "latin1.py",
@@ -152,3 +152,29 @@ def test_a_rebuild_killed_at_each_rename_is_not_a_build(tmp_path, monkeypatch, p
     assert [d.tolist() for d in read_docs(tmp_path)] == [
         [*text.encode(), TOK.eot_id] for _, text in new
     ]
+
+
+def test_bad_data_is_counted_and_listed_with_file_and_line(tmp_path):
+    good = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    src = tmp_path / "d.jsonl"
+    src.write_text(
+        "\n".join([json.dumps(good), "{bad", json.dumps({"x": 1}), json.dumps({"text": "t"})])
+    )
+    (tmp_path / "empty.jsonl").write_text("")
+    s = data.build_token_dataset([src, tmp_path / "empty.jsonl"], tmp_path / "b", progress=False)
+    assert s.num_docs == 2 and s.masked
+    assert s.skipped == {"undecodable": 0, "unreadable": 0, "empty": 1, "invalid": 2}
+    assert s.problems[0].startswith(f"{src}:2: not JSON")
+    assert s.problems[1].startswith(f"{src}:3: missing field 'text' or 'messages'")
+    assert s.problems[2] == f"{tmp_path / 'empty.jsonl'}: the file is empty"
+    meta = json.loads((tmp_path / "b" / "meta.json").read_text())
+    assert meta["problems"] == list(s.problems) and meta["masked"]
+    (tmp_path / "b" / "mask.bin").unlink()  # a masked build without its mask is not whole
+    with pytest.raises(ValueError, match="mask.bin is missing"):
+        data.TokenDataset(tmp_path / "b", 2, splits=(1, 0, 0))
+    with pytest.raises(
+        ValueError, match="corpus is empty.*the file is empty.*x.jsonl: No such file"
+    ):
+        data.build_token_dataset(
+            [tmp_path / "empty.jsonl", (src.with_name("x.jsonl"))], tmp_path / "c", progress=False
+        )

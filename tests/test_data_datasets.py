@@ -1,6 +1,8 @@
 """Tests for ftrain.data.datasets: TokenDataset (Megatron-style windows, splits, epochs, index
 cache) and DocumentDataset, against the build's documents read by hand."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -157,3 +159,43 @@ def test_document_dataset_pieces_cover_each_document(token_corpus, token_build, 
             got[d].append(int(ex["input"][0]))
         got[d].extend(ex["target"].tolist())
     assert all(g == d.tolist() for g, d in zip(got, docs, strict=True))
+
+
+def test_packed_rows_restart_positions_where_each_document_starts(tmp_path):
+    texts = [("a", "ab"), ("b", "cdef"), ("c", "g" * 30)]
+    data.build_token_dataset(texts, tmp_path, progress=False)
+    ds = data.TokenDataset(tmp_path, 12, seed=0, pack=True, splits=(1, 0, 0))
+    plain = data.TokenDataset(tmp_path, 12, seed=0, splits=(1, 0, 0))
+    eot = data.ByteTokenizer().eot_id
+    for i in range(len(ds)):
+        ex = ds[i]
+        assert torch.equal(ex["input"], plain[i]["input"])  # the same samples
+        assert torch.equal(ex["target"], plain[i]["target"])
+        x, pos = ex["input"], ex["position_ids"]
+        # by hand: 0 at the row start and at every end-of-document input, else one more
+        for t in range(len(x)):
+            want = 0 if t == 0 or x[t] == eot else int(pos[t - 1]) + 1
+            assert int(pos[t]) == want, (i, t, pos)
+    assert data.restarting_positions([3, 4, 2]).tolist() == [0, 1, 0, 1, 2, 3, 0, 1]
+
+
+def test_a_chat_build_masks_the_targets_that_are_not_the_assistants(tmp_path):
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    src = tmp_path / "d.jsonl"
+    src.write_text("\n".join(json.dumps(r) for r in [{"messages": chat}, {"text": "plain"}]))
+    s = data.build_token_dataset([src], tmp_path / "b", progress=False)
+    assert s.masked and s.num_docs == 2
+    tok = data.ByteTokenizer()
+    ids, mask = data.encode_chat(tok, chat)
+    stream = np.concatenate([ids, [tok.eot_id], tok.encode_array("plain"), [tok.eot_id]])
+    predicted = np.concatenate([mask, [mask[-1]], np.ones(len("plain") + 1, dtype=bool)])
+    docs = data.DocumentDataset(tmp_path / "b", max_len=1000, splits=(1, 0, 0))
+    ex = docs[0]
+    assert ex["input"].tolist() == stream[: len(ids)].tolist()
+    want = np.where(predicted[1 : len(ids) + 1], stream[1 : len(ids) + 1], -100)
+    assert ex["target"].tolist() == want.tolist()
+    assert (docs[1]["target"] != -100).all()  # a text document: every token predicted
+    rows = data.TokenDataset(tmp_path / "b", len(stream) - 1, splits=(1, 0, 0))
+    r = rows[0]  # the whole stream in one sample (in the shuffled document order)
+    chat_first = int(r["input"][0]) == ord("<")  # then its first token is never a target
+    assert int((r["target"] == -100).sum()) == int((~predicted).sum()) - chat_first

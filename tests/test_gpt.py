@@ -9,8 +9,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ftrain import data
 from ftrain.models import GPT, GPTConfig, Linear, num_params, onednn_linear_available
+from ftrain.models.gpt import document_mask
 
+from _hf import packed_and_alone
 from _tiny import TINY_GPT, tiny_gpt
 from _tiny import tokens as tiny_tokens
 
@@ -257,3 +260,34 @@ def test_docstring_examples_run():
 
     result = doctest.testmod(ftrain.models.gpt)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_packed_rows_give_each_document_its_losses_alone(tmp_path):
+    """--pack's invariant: the per-token losses of a packed row equal those of each of its
+    documents run alone (a block-diagonal causal mask and positions restarting at 0)."""
+    words = ["alpha", "beta", "gamma", "delta", " ", "\n"]
+    g = torch.Generator().manual_seed(0)
+    texts = [
+        (str(i), "".join(words[j] for j in torch.randint(0, 6, (int(n),), generator=g)))
+        for i, n in enumerate(torch.randint(1, 8, (30,), generator=g))
+    ]
+    data.build_token_dataset(texts, tmp_path, progress=False)
+    rows = data.TokenDataset(tmp_path, 64, seed=0, pack=True, splits=(1, 0, 0))
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(seq_len=64, d_model=32, n_layer=2, n_head=2)).eval()
+    for i in range(3):
+        packed, alone, docs = packed_and_alone(lambda x, pos: model(x, position_ids=pos), rows[i])
+        assert docs >= 3
+        torch.testing.assert_close(packed, alone, rtol=0, atol=1e-5)
+    leaky, alone, _ = packed_and_alone(lambda x, pos: model(x), rows[0])
+    assert (leaky - alone).abs().max() > 1e-2  # without the mask, documents see each other
+
+
+def test_document_mask_is_block_diagonal_causal():
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0], [3, 4, 5, 6, 7, 8]])
+    m = document_mask(pos)[:, 0]
+    doc = torch.tensor([[0, 0, 0, 1, 1, 2], [0, 0, 0, 0, 0, 0]])
+    for b in range(2):
+        for q in range(6):
+            for k in range(6):
+                assert bool(m[b, q, k]) == (k <= q and doc[b, q] == doc[b, k])

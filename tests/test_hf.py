@@ -5,7 +5,9 @@ import pytest
 import torch
 
 import ftrain as ft
+from ftrain.models import load_causal_lm
 
+from _hf import tiny_hf_dir
 from _tiny import lm_batch
 
 transformers = pytest.importorskip("transformers")
@@ -82,3 +84,57 @@ def test_tiny_gpt2_builds_a_small_stateless_template():
     params = {k: torch.zeros_like(v) for k, v in model.named_parameters()}
     out = torch.func.functional_call(model, params, (idx,)).logits
     assert torch.equal(out, torch.zeros_like(out))  # usable as a stateless template
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_load_causal_lm_reads_a_save_pretrained_folder_offline(tmp_path, kind):
+    folder = tiny_hf_dir(tmp_path / kind, kind)
+    model = load_causal_lm(folder)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    assert model.training and not model.config.use_cache
+    assert next(model.parameters()).dtype == torch.float32
+    x = torch.randint(
+        0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0)
+    )
+    ref.eval()
+    with torch.no_grad():
+        want = ref(x).logits
+        got = ft.apply(model.eval(), ft.params_of(model), x).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_load_causal_lm_refuses_a_folder_without_config_or_safetensors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="--model-dir .* is not a directory"):
+        load_causal_lm(tmp_path / "missing")
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        load_causal_lm(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors.*safe_serialization"):
+        load_causal_lm(tmp_path)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_packed_rows_give_each_document_its_losses_alone(tmp_path, kind):
+    """--pack with a Hugging Face model: given position_ids restarting at each document (and no
+    attention mask), transformers keeps attention within documents; checked per token."""
+    from ftrain import data
+
+    from _hf import CORPUS, packed_and_alone
+
+    folder = tiny_hf_dir(tmp_path / kind, kind)
+    model = load_causal_lm(folder).eval()
+    tok = data.load_tokenizer(folder)
+    texts = [(str(i), t) for i, t in enumerate(CORPUS[:5] * 3)]
+    data.build_token_dataset(texts, tmp_path / "tokens", tok, progress=False)
+    rows = data.TokenDataset(tmp_path / "tokens", 48, seed=0, pack=True, splits=(1, 0, 0))
+
+    def logits(x, pos):
+        return (model(x) if pos is None else model(x, position_ids=pos)).logits
+
+    for i in range(2):
+        packed, alone, docs = packed_and_alone(logits, rows[i])
+        assert docs >= 2
+        torch.testing.assert_close(packed, alone, rtol=0, atol=1e-5)
+    leaky, alone, _ = packed_and_alone(lambda x, pos: model(x).logits, rows[0])
+    assert (leaky - alone).abs().max() > 1e-3  # without position_ids, documents see each other

@@ -227,3 +227,23 @@ def test_schedule_free_trains_y_and_evaluates_and_samples_at_x(tmp_path, tiny_ru
     text = gpt.sample(out, "def ", 8, temperature=0.8, top_k=50)
     assert text == gpt.sample_text(recipe.model, x, "def ", 8)
     assert gpt.eval_params(_config(tiny_run), state) is y  # other optimizers: the train params
+
+
+def test_the_gpt_trains_on_chat_data_packed(tmp_path, tiny_run):
+    """--data chats.jsonl --pack with the byte-level GPT: batches carry position ids and -100 on
+    the user's turns (the built-in chat template), and the step trains on them."""
+    import json
+
+    chat = [{"role": "user", "content": "ping"}, {"role": "assistant", "content": "pong!"}]
+    (tmp_path / "c.jsonl").write_text("\n".join(json.dumps({"messages": chat}) for _ in range(50)))
+    flags = [*tiny_run, "--data", str(tmp_path / "c.jsonl"), "--pack"]
+    flags[flags.index("--data-dir") + 1] = str(tmp_path / "tokens")
+    recipe = gpt.build(_config(flags), quiet=True)
+    with iter(recipe.loader) as batches:
+        batch = next(batches)
+        state, metrics = recipe.step(recipe.state, batch)
+    assert set(batch) == {"input", "target", "position_ids"}
+    said = batch["target"][batch["target"] != -100]
+    assert 0 < len(said) < batch["target"].numel() // 2
+    assert set(bytes(said[said < 256].tolist()).decode()) <= set("pong!<|end>\n")
+    assert int(metrics["count"]) == len(said) and torch.isfinite(metrics["loss"])

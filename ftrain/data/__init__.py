@@ -9,22 +9,36 @@ Variable-length examples, length-bucketed and padded (with "mask"):
 
     docs = data.DocumentDataset("data/stdlib", max_len=512)
     batches = data.loader(docs, 16, order="length")
+
+Your own data: `data_files(path)` (a file or a folder) into `build_token_dataset`, which reads
+text files, `.jsonl` (`text`, or chat `messages` with a loss mask on the assistant's tokens) and
+`.parquet`; `TokenDataset(..., pack=True)` adds `position_ids` that restart at each document.
 """
 
 from ftrain.data import corpora
 from ftrain.data.build import BuildSummary, build_token_dataset
+from ftrain.data.chat import BUILTIN_CHAT_TEMPLATE, encode_chat, render_chat
 from ftrain.data.collate import IGNORE_INDEX, PadCollate, padding_fraction, stack_collate
-from ftrain.data.datasets import DocumentDataset, TokenDataset, split_ranges
+from ftrain.data.datasets import DocumentDataset, TokenDataset, restarting_positions, split_ranges
+from ftrain.data.documents import Document, data_files, read_documents
 from ftrain.data.order import BucketByLength, Sequential, Shuffled, bucket_by_length
 from ftrain.data.pipeline import Loader, LoaderIterator, loader
-from ftrain.data.tokenizers import ByteTokenizer
+from ftrain.data.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
 
 __all__ = [
+    "BUILTIN_CHAT_TEMPLATE",
+    "Document",
+    "data_files",
+    "encode_chat",
+    "read_documents",
+    "render_chat",
+    "restarting_positions",
     "IGNORE_INDEX",
     "BucketByLength",
     "BuildSummary",
     "ByteTokenizer",
     "DocumentDataset",
+    "HFTokenizer",
     "Loader",
     "LoaderIterator",
     "PadCollate",
@@ -34,6 +48,7 @@ __all__ = [
     "bucket_by_length",
     "build_token_dataset",
     "corpora",
+    "load_tokenizer",
     "loader",
     "padding_fraction",
     "split_ranges",

@@ -5,6 +5,8 @@ A *build* is a folder written by `build_token_dataset`:
     tokens.bin   every document's ids followed by the end-of-document id, back to back; raw
                  little-endian integers of the smallest dtype that holds the vocabulary
     docs.npy     int64[num_docs + 1]: document d is tokens[docs[d]:docs[d + 1]] (its last id is eot)
+    mask.bin     only when a document has a loss mask (a chat): uint8, one per token of tokens.bin,
+                 1 where the token is to be predicted (the assistant's), 0 where it is not
     meta.json    dtype, counts, vocabulary, the sources' fingerprint, skipped files, a checksum
                  of docs.npy; written last, so a folder without it is not a build
     index/       sample and shuffle indices cached by the datasets (safe to delete)
@@ -20,6 +22,7 @@ Run `python -m ftrain.data.build OUT_DIR` to build the standard-library corpus i
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -34,6 +37,8 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
+from ftrain.data.chat import BUILTIN_CHAT_TEMPLATE, encode_chat
+from ftrain.data.documents import SKIP_REASONS, read_documents
 from ftrain.data.tokenizers import ByteTokenizer
 from ftrain.io import atomic
 
@@ -48,6 +53,7 @@ __all__ = [
 FORMAT = "ftrain.tokens/1"
 TOKENS_FILE = "tokens.bin"
 DOCS_FILE = "docs.npy"
+MASK_FILE = "mask.bin"
 META_FILE = "meta.json"
 INDEX_DIR = "index"
 _PROBE = "ftrain tokenizer probe: Hello, wörld! 123\t\n€ 🙂 def f(x):\n    return x  # é"
@@ -64,8 +70,10 @@ class BuildSummary:
     dtype: str  # numpy dtype name of tokens.bin
     vocab_size: int
     eot_id: int
-    skipped: dict[str, int]  # {"undecodable": n, "unreadable": n, "empty": n}
+    skipped: dict[str, int]  # {"undecodable": n, "unreadable": n, "empty": n, "invalid": n}
     skipped_files: tuple[str, ...] = field(default=())  # the first 50 skipped names
+    problems: tuple[str, ...] = field(default=())  # the first 50 as "name: what is wrong"
+    masked: bool = False  # a loss mask was written (mask.bin): some documents are chats
     cached: bool = False
     seconds: float = 0.0
 
@@ -114,7 +122,7 @@ def _as_items(sources: Any) -> list[Path | tuple[str, str]]:
 
 def _sources_fingerprint(items: list[Path | tuple[str, str]], tokenizer_fp: str) -> str:
     """Cheap identity of the sources: path, size and mtime of files (like make), hash of texts."""
-    h = hashlib.sha256(f"{FORMAT}|{tokenizer_fp}\n".encode())
+    h = hashlib.sha256(f"{FORMAT}|{tokenizer_fp}|{BUILTIN_CHAT_TEMPLATE}\n".encode())
     for item in items:
         if isinstance(item, Path):
             try:
@@ -187,6 +195,10 @@ def check_build(path: str | os.PathLike, meta: dict | None) -> str | None:
         return f"{DOCS_FILE} has shape {docs.shape} {docs.dtype}, expected ({num_docs + 1},) int64"
     if docs[0] != 0 or docs[-1] != num_tokens or np.any(np.diff(docs) < 2):
         return f"{DOCS_FILE} does not describe {num_tokens} tokens in non-empty documents"
+    if meta.get("masked") and not (
+        (path / MASK_FILE).is_file() and (path / MASK_FILE).stat().st_size == num_tokens
+    ):
+        return f"{MASK_FILE} is missing or does not hold one byte per token"
     tokens = np.memmap(tokens_path, dtype=dtype, mode="r")
     if np.any(tokens[docs[1:] - 1] != eot):
         return f"the document index and {TOKENS_FILE} disagree: a document does not end with eot"
@@ -203,6 +215,8 @@ def _summary(path: Path, meta: dict, *, cached: bool, seconds: float) -> BuildSu
         eot_id=int(meta["eot_id"]),
         skipped={k: int(v) for k, v in meta.get("skipped", {}).items()},
         skipped_files=tuple(meta.get("skipped_files", ())),
+        problems=tuple(meta.get("problems", ())),
+        masked=bool(meta.get("masked", False)),
         cached=cached,
         seconds=seconds,
     )
@@ -219,12 +233,19 @@ def build_token_dataset(
     """Tokenize `sources` once into `out_dir`: a memory-mapped token file plus a document index.
 
     Guarantees:
-      - One document per source, in the given order; each is followed by `eot_id`. The token file
-        uses the smallest unsigned dtype that holds the vocabulary (`uint16` for `ByteTokenizer`).
+      - The documents of each source in the given order (`ftrain.data.read_documents`: one per
+        text file or pair, one per line of a `.jsonl`, one per row of a `.parquet`); each is
+        followed by `eot_id`. The token file uses the smallest unsigned dtype that holds the
+        vocabulary (`uint16` for `ByteTokenizer`).
+      - Chat documents (`messages`) are rendered with `ftrain.data.encode_chat`, and a loss mask
+        is written beside the tokens (`mask.bin`: 1 on the assistant's tokens, and on a
+        document's eot when its last token is; 1 on every token of a text document).
       - Files that are not valid UTF-8, and texts the tokenizer cannot encode (a lone surrogate
         such as U+D800 has no UTF-8) are skipped and counted as "undecodable", files that cannot
-        be read as "unreadable", empty texts as "empty"; the counts and the first 50 names are in
-        the returned summary and in `meta.json`. A skipped file never stops the build.
+        be read as "unreadable", empty texts as "empty", records of the wrong shape (a JSONL line
+        that is not JSON, a missing field) as "invalid"; the counts, the first 50 names and the
+        first 50 problems ("file:line: what is wrong") are in the returned summary and in
+        `meta.json`. A skipped document never stops the build.
       - If `out_dir` already holds a whole build of the same sources (same paths, sizes and
         modification times, or same texts) with the same tokenizer, nothing is read or written
         and the summary says `cached=True`. A stale or damaged build is rebuilt.
@@ -264,58 +285,52 @@ def build_token_dataset(
             if check_build(out, meta) is None:
                 return _summary(out, meta, cached=True, seconds=time.perf_counter() - t0)
 
-    # 1. Tokenize every source; a bad file is counted, never fatal.
+    # 1. Tokenize every document; a bad one is counted and listed, never fatal.
     encode_array = getattr(tokenizer, "encode_array", None)
     arrays: list[np.ndarray] = []
-    skipped = {"undecodable": 0, "unreadable": 0, "empty": 0}
+    masks: list[np.ndarray | None] = []  # None: every token of the document is predicted
+    skipped = dict.fromkeys(SKIP_REASONS, 0)
     skipped_files: list[str] = []
+    problems: list[str] = []
 
-    def skip(reason: str, name: str) -> None:
+    def skip(reason: str, name: str, problem: str = "") -> None:
         skipped[reason] += 1
         if len(skipped_files) < _MAX_SKIPPED_LISTED:
             skipped_files.append(name)
+            problems.append(f"{name}: {problem or reason}")
 
-    for item in tqdm(items, desc=f"tokenizing into {out}", unit="doc", disable=not progress):
-        if isinstance(item, Path):
-            name = str(item)
+    for item in tqdm(items, desc=f"tokenizing into {out}", unit="file", disable=not progress):
+        for doc in read_documents(item):
+            if doc.skip is not None:
+                skip(doc.skip, doc.name, doc.problem)
+                continue
+            mask = None
             try:
-                text = item.read_bytes().decode("utf-8")
-            except UnicodeDecodeError:
-                reason = "undecodable"
-            except OSError:
-                reason = "unreadable"
-            else:
-                reason = None if text else "empty"
-        else:
-            name, text = item
-            reason = None if text else "empty"
-        if reason is not None:
-            skip(reason, name)
-            continue
-        try:
-            ids = (
-                encode_array(text)
-                if encode_array is not None
-                else np.asarray(tokenizer.encode(text))
-            )
-        except UnicodeEncodeError:  # a lone surrogate (U+D800..U+DFFF) has no UTF-8
-            skip("undecodable", name)
-            continue
-        if ids.size == 0:
-            skip("empty", name)
-            continue
-        if ids.ndim != 1 or ids.dtype.kind not in "iu":
-            raise TypeError(
-                f"build_token_dataset: tokenizer.encode returned {ids.dtype} of shape {ids.shape} "
-                f"for {name!r}; it must return a flat list of ints"
-            )
-        arrays.append(ids)
+                if doc.messages is not None:
+                    ids, mask = encode_chat(tokenizer, doc.messages)
+                elif encode_array is not None:
+                    ids = encode_array(doc.text)
+                else:
+                    ids = np.asarray(tokenizer.encode(doc.text))
+            except UnicodeEncodeError:  # a lone surrogate (U+D800..U+DFFF) has no UTF-8
+                skip("undecodable", doc.name, "a lone surrogate (not encodable as UTF-8)")
+                continue
+            if ids.size == 0:
+                skip("empty", doc.name, "no tokens")
+                continue
+            if ids.ndim != 1 or ids.dtype.kind not in "iu":
+                raise TypeError(
+                    f"build_token_dataset: tokenizer.encode returned {ids.dtype} of shape "
+                    f"{ids.shape} for {doc.name!r}; it must return a flat list of ints"
+                )
+            arrays.append(ids)
+            masks.append(mask)
 
     if not arrays:
         n_skipped = sum(skipped.values())
         raise ValueError(
             f"build_token_dataset: the corpus is empty: {len(items)} sources gave no document "
-            f"({n_skipped} skipped: {skipped}; first: {skipped_files[:3]}). Pass at least one "
+            f"({n_skipped} skipped: {skipped}; first: {problems[:3]}). Pass at least one "
             "non-empty UTF-8 text file, e.g. ftrain.data.corpora.python_stdlib()"
         )
 
@@ -355,20 +370,31 @@ def build_token_dataset(
         "docs_sha256": hashlib.sha256(docs_npy.getvalue()).hexdigest(),
         "skipped": skipped,
         "skipped_files": skipped_files,
+        "problems": problems,
+        "masked": any(m is not None for m in masks),
         "num_sources": len(items),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+    masked = meta["masked"]
     with (
         atomic.write_file(out / TOKENS_FILE) as tokens_file,
         atomic.write_file(out / DOCS_FILE) as docs_file,
+        atomic.write_file(out / MASK_FILE) if masked else contextlib.nullcontext() as mask_file,
     ):
-        for a in arrays:
+        for a, m in zip(arrays, masks):
             buf = np.empty(a.size + 1, dtype=dtype.newbyteorder("<"))
             buf[:-1] = a
             buf[-1] = eot_id
             tokens_file.write(buf.tobytes())
+            if masked:  # 1 where the token is predicted; eot is when the last token is
+                mbuf = np.ones(a.size + 1, dtype=np.uint8)
+                if m is not None:
+                    mbuf[:-1], mbuf[-1] = m, m[-1]
+                mask_file.write(mbuf.tobytes())
         docs_file.write(docs_npy.getvalue())
         (out / META_FILE).unlink(missing_ok=True)  # from here on, out_dir is not a build
+        if not masked:
+            (out / MASK_FILE).unlink(missing_ok=True)  # an older build's
         shutil.rmtree(out / INDEX_DIR, ignore_errors=True)  # indices of the old build
     atomic.write_json(out / META_FILE, meta)
     return _summary(out, meta, cached=False, seconds=time.perf_counter() - t0)

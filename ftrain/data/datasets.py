@@ -26,11 +26,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ftrain.data.build import DOCS_FILE, INDEX_DIR, TOKENS_FILE, check_build, read_meta
-from ftrain.data.collate import PadCollate
+from ftrain.data.build import DOCS_FILE, INDEX_DIR, MASK_FILE, TOKENS_FILE, check_build, read_meta
+from ftrain.data.collate import IGNORE_INDEX, PadCollate
 from ftrain.io import atomic
 
-__all__ = ["DocumentDataset", "TokenDataset", "split_ranges"]
+__all__ = ["DocumentDataset", "TokenDataset", "restarting_positions", "split_ranges"]
 
 SPLITS = ("train", "valid", "test")
 
@@ -84,7 +84,9 @@ class _Build:
         self.docs = np.load(self.path / DOCS_FILE, allow_pickle=False)
         self.vocab_size = int(meta["vocab_size"])
         self.eot_id = int(meta["eot_id"])
+        self.masked = bool(meta.get("masked", False))  # mask.bin: chats' loss masks
         self._tokens: np.ndarray | None = None
+        self._mask: np.ndarray | None = None
 
     @property
     def tokens(self) -> np.ndarray:
@@ -93,9 +95,31 @@ class _Build:
             self._tokens = mapped.view(np.ndarray)  # plain ndarray: no Python-level __getitem__
         return self._tokens
 
+    @property
+    def mask(self) -> np.ndarray | None:
+        """mask.bin (uint8, 1 where a token is predicted) mapped, or None for a build without."""
+        if self._mask is None and self.masked:
+            self._mask = np.memmap(self.path / MASK_FILE, dtype=np.uint8, mode="r").view(np.ndarray)
+        return self._mask
+
+    def example(self, ranges: list[tuple[int, int]], pack: bool) -> dict[str, torch.Tensor]:
+        """The LM example of the tokens in ``ranges`` (token-file [start, stop) spans, one per
+        document piece, joined): ``input``, ``target`` (IGNORE_INDEX where the mask says the
+        token is not predicted) and, with ``pack``, ``position_ids`` restarting at each document
+        (see :func:`restarting_positions`)."""
+        toks = np.concatenate([_read(self.tokens, lo, hi) for lo, hi in ranges])
+        ex = _lm_example(toks)
+        if self.masked:
+            mask = np.concatenate([self.mask[lo:hi] for lo, hi in ranges])
+            predicted = torch.from_numpy(mask[1:] != 0)
+            ex["target"] = torch.where(predicted, ex["target"], IGNORE_INDEX)
+        if pack:
+            ex["position_ids"] = restarting_positions([hi - lo for lo, hi in ranges])
+        return ex
+
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        state["_tokens"] = None  # never pickle the mapped file's contents
+        state["_tokens"] = state["_mask"] = None  # never pickle the mapped files' contents
         return state
 
     def split(self, who: str, split: str, splits: Sequence[float]) -> range:
@@ -123,6 +147,29 @@ def _read(tokens: np.ndarray, start: int, stop: int) -> np.ndarray:
 def _lm_example(toks: np.ndarray) -> dict[str, torch.Tensor]:
     x = torch.from_numpy(toks)
     return {"input": x[:-1], "target": x[1:]}
+
+
+def restarting_positions(sizes: Sequence[int]) -> torch.Tensor:
+    """Position ids of a packed row: for a row read as pieces of ``sizes`` tokens (one piece per
+    document, each but the last ending with its end-of-document id), the positions of the
+    ``sum(sizes) - 1`` inputs, restarting at 0 where each document starts.
+
+    A document starts at the input that is the previous document's end-of-document id: that id
+    is what a document alone starts from (the stream's documents are joined by it). So a packed
+    row's document sees the same inputs at the same positions as when it is run alone, and a
+    model that keeps attention within runs of increasing positions (``position_ids`` with
+    ``GPT`` and Hugging Face models) computes the same losses for it.
+
+    Example:
+        >>> restarting_positions([3, 4, 2]).tolist()   # inputs: a a E | b b b E | c
+        [0, 1, 0, 1, 2, 3, 0, 1]
+    """
+    n = int(sum(sizes)) - 1
+    starts = np.zeros(n, dtype=bool)  # (n,)
+    starts[0] = True
+    starts[np.cumsum(sizes)[:-1] - 1] = True
+    idx = np.arange(n, dtype=np.int64)
+    return torch.from_numpy(idx - np.maximum.accumulate(np.where(starts, idx, 0)))
 
 
 class TokenDataset:
@@ -154,6 +201,12 @@ class TokenDataset:
         num_epochs: epochs of the split to index (default 1), each with its own document order.
         num_samples: alternatively, the number of samples the run needs; enough epochs are indexed
             to hold at least that many (`len(ds) >= num_samples`).
+        pack: also give `"position_ids"` (LongTensor[seq_len]) restarting at 0 where each
+            document of the row starts (`restarting_positions`), so that a model given them keeps
+            attention within documents (`ftrain train --pack`). The samples are the same.
+
+    A build with a loss mask (chats: `mask.bin`) gives `target == -100` where the token is not
+    to be predicted (the system and user turns), in this dataset and in `DocumentDataset`.
     """
 
     def __init__(
@@ -166,6 +219,7 @@ class TokenDataset:
         splits: Sequence[float] = (969, 30, 1),
         num_epochs: int | None = None,
         num_samples: int | None = None,
+        pack: bool = False,
     ):
         who = "TokenDataset"
         if not isinstance(seq_len, int) or seq_len < 1:
@@ -180,6 +234,7 @@ class TokenDataset:
         self._build = _Build(path, who)
         self.path = self._build.path
         self.seq_len, self.seed, self.split, self.splits = seq_len, seed, split, tuple(splits)
+        self.pack = bool(pack)
         self.vocab_size, self.eot_id = self._build.vocab_size, self._build.eot_id
         self.doc_range = self._build.split(who, split, splits)
         docs = self._build.docs
@@ -260,7 +315,7 @@ class TokenDataset:
         (d0, o0), (d1, o1) = self._sample_idx[j], self._sample_idx[j + 1]
         d0, o0, d1, o1 = int(d0), int(o0), int(d1), int(o1)
         toks, starts, sizes = self._build.tokens, self._starts, self._sizes
-        if d0 == d1:  # the common case: one document holds the whole sample
+        if d0 == d1 and not (self.pack or self._build.masked):  # the common case: one read
             s = int(starts[self._doc_idx[d0]])
             return _lm_example(_read(toks, s + o0, s + o1 + 1))
         pieces = []  # (the last token of one piece is eot, then the next document follows)
@@ -268,8 +323,8 @@ class TokenDataset:
             doc = int(self._doc_idx[d])
             lo = int(starts[doc]) + (o0 if d == d0 else 0)
             hi = int(starts[doc]) + (o1 + 1 if d == d1 else int(sizes[doc]))
-            pieces.append(_read(toks, lo, hi))
-        return _lm_example(np.concatenate(pieces))
+            pieces.append((lo, hi))
+        return self._build.example(pieces, self.pack)
 
     def __repr__(self) -> str:
         return (
@@ -347,7 +402,7 @@ class DocumentDataset:
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         s = int(self._starts[i])
-        return _lm_example(_read(self._build.tokens, s, s + int(self.lengths[i]) + 1))
+        return self._build.example([(s, s + int(self.lengths[i]) + 1)], pack=False)
 
     def __repr__(self) -> str:
         return (

@@ -6,8 +6,8 @@ Any ``nn.Module`` works with ftrain; these are the ones the ``ftrain`` command a
 """
 
 from ftrain.models.flops import flops_per_token, matmul_params_per_token, num_params
-from ftrain.models.gpt import GPT, MLP, Block, CausalSelfAttention, GPTConfig
-from ftrain.models.hf import tiny_gpt2
+from ftrain.models.gpt import GPT, MLP, Block, CausalSelfAttention, GPTConfig, document_mask
+from ftrain.models.hf import load_causal_lm, tiny_gpt2
 from ftrain.models.moe import MoE
 from ftrain.models.onednn import Linear, linear, onednn_linear_available
 from ftrain.models.sample import generate
@@ -19,11 +19,13 @@ __all__ = [
     "CausalSelfAttention",
     "MLP",
     "MoE",
+    "document_mask",
     "generate",
     "num_params",
     "flops_per_token",
     "matmul_params_per_token",
     "tiny_gpt2",
+    "load_causal_lm",
     "Linear",
     "linear",
     "onednn_linear_available",

@@ -145,15 +145,22 @@ class CausalSelfAttention(nn.Module):
         self.proj = config.make_linear(config.d_model, config.d_model, bias=config.bias)
         self.resid_drop = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, T, d) -> (B, T, d)."""
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, T, d) -> (B, T, d). ``mask`` (B, 1, T, T) bool, True where a query may attend to a
+        key, replaces the causal mask (``document_mask`` for packed rows)."""
         # split (not a reshape to (3, ...)): its backward is a single concatenation of dq, dk, dv
         qkv = self.qkv(x).split(x.shape[-1], dim=-1)  # 3 x (B, T, d)
         q, k, v = (rearrange(z, "b t (nh hs) -> b nh t hs", nh=self.n_head) for z in qkv)
         # q, k, v: (B, nh, T, hs). Flash attention on GPU (no (T, T) score matrix in memory); the
-        # causal mask is built inside the kernel.
+        # causal mask is built inside the kernel. A given mask (packed rows) takes the
+        # memory-efficient or math kernel instead.
         y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=mask is None,
+            dropout_p=self.dropout if self.training else 0.0,
         )  # (B, nh, T, hs)
         y = rearrange(y, "b nh t hs -> b t (nh hs)")  # (B, T, d): heads side by side again
         return self.resid_drop(self.proj(y))
@@ -184,9 +191,12 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.d_model, eps=config.norm_eps, bias=config.bias)
         self.mlp = MLP(config) if config.n_experts == 0 else MoE(config)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(B, T, d) -> ((B, T, d), this block's MoE balance loss, or None for a dense MLP)."""
-        x = x + self.attn(self.ln_1(x))
+    def forward(
+        self, x: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(B, T, d) -> ((B, T, d), this block's MoE balance loss, or None for a dense MLP);
+        ``mask`` as in :class:`CausalSelfAttention`."""
+        x = x + self.attn(self.ln_1(x), mask)
         if isinstance(self.mlp, MoE):
             y, balance = self.mlp(self.ln_2(x))
         else:
@@ -248,9 +258,18 @@ class GPT(nn.Module):
             module.reset_parameters()  # experts normal(0, 0.02); LayerNorm gain 1, shift 0
 
     def forward(
-        self, idx: torch.Tensor, *, return_aux: bool = False
+        self,
+        idx: torch.Tensor,
+        *,
+        return_aux: bool = False,
+        position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Next-token logits for token ids ``idx`` (B, T) with T <= seq_len.
+
+        ``position_ids`` (B, T), for packed rows of several documents: the positions of the tokens
+        (restarting at 0 where a document starts, ``ftrain.data.restarting_positions``), and
+        attention stays within each run of consecutive positions (``document_mask``). So each
+        document's logits are those it gets alone. Default: positions 0..T-1, causal attention.
 
         Returns ``logits`` (B, T, vocab_size), or with ``return_aux=True`` the pair
         ``(logits, aux)`` where ``aux`` is a dict of 0-d tensors to add to the loss:
@@ -274,11 +293,20 @@ class GPT(nn.Module):
                 f"GPT.forward: sequence length T={T} exceeds config.seq_len={self.config.seq_len} "
                 f"(the size of the position table). Fix: crop to idx[:, -{self.config.seq_len}:]."
             )
-        pos = torch.arange(T, device=idx.device)  # (T,)
+        mask = None
+        if position_ids is None:
+            pos = torch.arange(T, device=idx.device)  # (T,)
+        else:
+            if position_ids.shape != idx.shape:
+                raise ValueError(
+                    f"GPT.forward: position_ids must have the shape of idx {tuple(idx.shape)}, got "
+                    f"{tuple(position_ids.shape)}; pass the batch's 'position_ids' (--pack)"
+                )
+            pos, mask = position_ids, document_mask(position_ids)  # (B, T), (B, 1, T, T)
         x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, d)
         balances = []
         for block in self.blocks:
-            x, balance = block(x)
+            x, balance = block(x, mask)
             if balance is not None:
                 balances.append(balance)
         x = self.ln_f(x)  # (B, T, d)
@@ -292,3 +320,15 @@ class GPT(nn.Module):
         if balances:
             aux["moe_aux_loss"] = self.config.aux_loss_weight * torch.stack(balances).mean()
         return logits, aux
+
+
+def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """The attention mask of packed rows: (B, T) positions -> (B, 1, T, T) bool, True where query
+    t may attend to key s: s <= t and both in one document. A document is a run of positions that
+    each go up by one (a new one starts wherever they do not, as Hugging Face models read
+    ``position_ids``): a block-diagonal causal mask."""
+    first = position_ids[:, :1] - 1  # (B, 1): so that position 0 continues "a run"
+    doc = (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)  # (B, T)
+    T = position_ids.shape[-1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=position_ids.device).tril()  # (T, T)
+    return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]  # (B, 1, T, T)

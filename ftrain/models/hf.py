@@ -1,6 +1,8 @@
-"""Hugging Face ``transformers`` models built from a local config (no download).
+"""Hugging Face ``transformers`` models: loaded from a local ``save_pretrained`` directory
+(:func:`load_causal_lm`, what ``ftrain train --model-dir DIR`` trains) or built from a config
+(:func:`tiny_gpt2`); never downloaded.
 
-Needs the ``dev`` extra (``pip install -e '.[dev]'``); ``transformers`` is imported only when a
+Needs the ``hf`` extra (``pip install 'ftrain[hf]'``); ``transformers`` is imported only when a
 function here is called, so ``import ftrain.models`` works without it.
 
 Train one with the loss as a sum and its count, in Hugging Face's convention (labels not shifted,
@@ -17,6 +19,10 @@ padding makes wrong under ``ft.accumulate``; the step warns (``ft.losses.ScalarL
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
+import torch
 import torch.nn as nn
 
 
@@ -54,3 +60,57 @@ def tiny_gpt2(
         use_cache=False,
     )
     return GPT2LMHeadModel(config)
+
+
+def load_causal_lm(
+    model_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float32
+) -> nn.Module:
+    """The causal language model saved in ``model_dir`` by ``save_pretrained``, read from local
+    files only (``local_files_only=True``: never the network, no remote code).
+
+    Guarantees: the model is an ``AutoModelForCausalLM`` of the directory's ``config.json`` with
+    the weights of its ``*.safetensors`` files (no pickle is read), in ``dtype`` (float32 by
+    default: ftrain keeps params in float32 and lowers the forward with ``--precision``), in
+    training mode, with the KV cache off (``config.use_cache = False``: generation turns it on
+    per call). Call it as ``model(input_ids, position_ids=...).logits`` -> (B, T, vocab); train
+    it through ``ft.apply(model, params, ...)`` with ``params = ft.params_of(model)``. Its
+    tokenizer: ``ftrain.data.load_tokenizer(model_dir)``.
+
+    Raises:
+        FileNotFoundError: ``model_dir`` is not a directory, or lacks ``config.json`` or
+            safetensors weights; the message names what is missing and how to write it.
+        ImportError: ``transformers`` is not installed (``pip install 'ftrain[hf]'``).
+    """
+    path = Path(model_dir)
+    check_model_dir(path)
+    try:
+        from transformers import AutoModelForCausalLM
+    except ImportError as e:
+        raise ImportError(
+            f"load_causal_lm({str(path)!r}) needs transformers: pip install 'ftrain[hf]'"
+        ) from e
+    model = AutoModelForCausalLM.from_pretrained(
+        path, local_files_only=True, dtype=dtype, use_safetensors=True, trust_remote_code=False
+    )
+    model.config.use_cache = False
+    return model.train()
+
+
+def check_model_dir(path: str | os.PathLike) -> Path:
+    """``path`` as a Path if it holds a ``save_pretrained`` model (``config.json`` and
+    safetensors weights), else a FileNotFoundError that says what is missing (for ``--model-dir``)."""
+    path = Path(path)
+    fix = (
+        "pass the folder that model.save_pretrained(folder) wrote (config.json + "
+        "model.safetensors); ftrain reads local files only and never downloads"
+    )
+    if not path.is_dir():
+        raise FileNotFoundError(f"--model-dir {str(path)!r} is not a directory; {fix}")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"--model-dir {str(path)!r} has no config.json; {fix}")
+    if not any(path.glob("*.safetensors")):
+        raise FileNotFoundError(
+            f"--model-dir {str(path)!r} has no *.safetensors weights (pickled *.bin weights are "
+            f"not read); {fix}, or save with safe_serialization=True"
+        )
+    return path

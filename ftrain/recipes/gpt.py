@@ -20,7 +20,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
-import os
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -30,6 +29,7 @@ import ftrain as ft
 from ftrain import data, optim, rundir
 from ftrain.config import TrainConfig
 from ftrain.models import GPT, GPTConfig, generate
+from ftrain.recipes import corpus
 
 __all__ = [
     "Recipe",
@@ -43,6 +43,7 @@ __all__ = [
     "data_dir",
     "eval_params",
     "make_loss_fn",
+    "run_config",
     "sample",
     "sample_text",
     "set_peak_lr",
@@ -73,18 +74,16 @@ def build(cfg: TrainConfig, *, rank: int = 0, world: int = 1, quiet: bool = Fals
 # -- data -------------------------------------------------------------------------------------
 def data_dir(cfg: TrainConfig) -> Path:
     """The token cache: ``--data-dir``, else ``$FTRAIN_CACHE/stdlib``, else
-    ``~/.cache/ftrain/stdlib``."""
-    if cfg.data_dir:
-        return Path(cfg.data_dir)
-    root = os.environ.get("FTRAIN_CACHE") or Path.home() / ".cache" / "ftrain"
-    return Path(root) / "stdlib"
+    ``~/.cache/ftrain/stdlib`` (with ``--data`` or ``--model-dir``: ``corpus.cache_dir``)."""
+    return corpus.cache_dir(cfg)
 
 
 def build_data(
-    cfg: TrainConfig, *, rank: int = 0, world: int = 1, quiet: bool = False
+    cfg: TrainConfig, *, rank: int = 0, world: int = 1, quiet: bool = False, tokenizer=None
 ) -> tuple[data.Loader, data.TokenDataset]:
-    """The token build of the stdlib corpus (made once, then cached), the train loader for this
-    process (an endless stream, resumable) and the validation dataset.
+    """The token build of the stdlib corpus or of ``--data`` (``corpus.sources``; made once with
+    ``tokenizer``, default bytes, then cached), the train loader for this process (an endless
+    stream, resumable) and the validation dataset (with ``--pack``: rows with position ids).
 
     In a process group of ``world`` processes, rank 0 builds (or finds the cache) while the others
     wait at a barrier, then every process opens the build: two writers of the same folder would
@@ -93,11 +92,13 @@ def build_data(
     path = data_dir(cfg)
     together = world > 1 and ft.distributed.is_initialized()
     if rank == 0 or not together:
-        data.build_token_dataset(data.corpora.python_stdlib(), path, progress=not quiet)
+        summary = data.build_token_dataset(corpus.sources(cfg), path, tokenizer, progress=not quiet)
+        if not quiet:
+            corpus.report_build(summary)  # what it skipped, and why
     if together:
         torch.distributed.barrier()  # the others open the build only once rank 0 has written it
-    train_ds = data.TokenDataset(path, cfg.seq_len, seed=cfg.seed, split="train")
-    valid_ds = data.TokenDataset(path, cfg.seq_len, seed=cfg.seed, split="valid")
+    train_ds = data.TokenDataset(path, cfg.seq_len, seed=cfg.seed, split="train", pack=cfg.pack)
+    valid_ds = data.TokenDataset(path, cfg.seq_len, seed=cfg.seed, split="valid", pack=cfg.pack)
     rows = cfg.batch_size * cfg.micro_batches  # per process per optimizer step
     mine = _Strided(train_ds, rank, world) if world > 1 else train_ds
     loader = data.loader(mine, rows, seed=cfg.seed, infinite=True, num_workers=cfg.num_workers)
@@ -142,7 +143,8 @@ def make_loss_fn(model: GPT):
     (reported as the metric ``moe_aux_loss``)."""
 
     def loss_fn(params, batch):
-        logits, aux = ft.apply(model, params, batch["input"], return_aux=True)
+        packed = {"position_ids": batch["position_ids"]} if "position_ids" in batch else {}
+        logits, aux = ft.apply(model, params, batch["input"], return_aux=True, **packed)
         ce = ft.losses.cross_entropy(logits, batch["target"])
         if not aux:
             return ce
@@ -227,8 +229,11 @@ def eval_params(cfg: TrainConfig, state: ft.TrainState):
 
 
 # -- the step ---------------------------------------------------------------------------------
-def build_step(cfg: TrainConfig, model: GPT, opt: optim.GradientTransformation) -> ft.Step:
-    """The composition, in one place, innermost first.
+def build_step(
+    cfg: TrainConfig, model: GPT, opt: optim.GradientTransformation, *, loss_fn=None
+) -> ft.Step:
+    """The composition, in one place, innermost first (``loss_fn``: default ``make_loss_fn``;
+    the Hugging Face recipe passes its own).
 
     Autocast, checkpoint and accumulate act on different phases (the forward's precision, what it
     keeps for backward, how a batch is split), so their order among themselves does not matter.
@@ -236,7 +241,7 @@ def build_step(cfg: TrainConfig, model: GPT, opt: optim.GradientTransformation) 
     once per micro-batch. Compile compiles every transform of the step wherever it sits; it comes
     last here only so that the composition reads in the order the step is built.
     """
-    step = ft.train_step(make_loss_fn(model), opt, donate=True)
+    step = ft.train_step(loss_fn or make_loss_fn(model), opt, donate=True)
     if cfg.precision != "fp32":
         step = ft.autocast(step, {"bf16": torch.bfloat16, "fp16": torch.float16}[cfg.precision])
     if cfg.checkpoint_policy != "none":
@@ -284,6 +289,19 @@ def sample_text(
     return tok.decode(out[0].tolist())
 
 
+def run_config(run: str | Path) -> tuple[Path, TrainConfig]:
+    """The newest valid checkpoint of the run folder ``run`` (or the checkpoint folder ``run``)
+    and the settings it was trained with (those this version knows)."""
+    run = Path(run)
+    latest = ft.latest_checkpoint(run) if not (run / "meta.json").exists() else run
+    if latest is None:
+        raise SystemExit(f"ftrain sample: no checkpoint in {run}")
+    saved: dict[str, Any] = rundir.saved_config(ft.load_meta(latest))
+    # Only this version's settings: a checkpoint written by another version may hold others.
+    known = {f.name for f in dataclasses.fields(TrainConfig)} - {"config"}
+    return latest, TrainConfig(**{k: v for k, v in saved.items() if k in known})
+
+
 def sample(
     run: str | Path,
     prompt: str,
@@ -295,14 +313,7 @@ def sample(
     """:func:`sample_text` from the newest valid checkpoint of the run folder ``run`` (or from the
     checkpoint folder ``run``), with the model its saved settings describe and the params
     :func:`eval_params` gives."""
-    run = Path(run)
-    latest = ft.latest_checkpoint(run) if not (run / "meta.json").exists() else run
-    if latest is None:
-        raise SystemExit(f"ftrain sample: no checkpoint in {run}")
-    saved: dict[str, Any] = rundir.saved_config(ft.load_meta(latest))
-    # Only this version's settings: a checkpoint written by another version may hold others.
-    known = {f.name for f in dataclasses.fields(TrainConfig)} - {"config"}
-    cfg = TrainConfig(**{k: v for k, v in saved.items() if k in known})
+    latest, cfg = run_config(run)
     model, params = build_model(cfg), eval_params(cfg, ft.load(latest))
     return sample_text(
         model, params, prompt, max_new_tokens, temperature=temperature, top_k=top_k, seed=seed
