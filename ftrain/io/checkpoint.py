@@ -189,8 +189,7 @@ def snapshot(state: TrainState, extra: Mapping | None = None, *, copy: bool = Fa
         return Snapshot(None, p.host_copy() if copy else p, meta_extra)
     tree, params, rest = flatten(state)
     if copy:  # flatten's CPU tensors may be the state's own memory: copy those
-        leaves = state.to_tensordict().values(include_nested=True, leaves_only=True)
-        own = {t.untyped_storage().data_ptr() for t in leaves}
+        own = {t.untyped_storage().data_ptr() for _, t in sharded.leaves(state)}
         params, rest = (
             {k: t.clone() if t.untyped_storage().data_ptr() in own else t for k, t in d.items()}
             for d in (params, rest)
