@@ -37,7 +37,8 @@ MiB = 2**20
 
 
 def build(d: int, n_layer: int, seq: int):
-    """A GPT with AdamW (state: params + 2 moments), its step and a batch of 8 rows."""
+    """A GPT with AdamW (state: params + 2 moments), its step and a batch of 2 rows of 32 tokens:
+    a step a little shorter than a save, so that several steps run while one is written."""
     cfg = GPTConfig(vocab_size=257, seq_len=seq, d_model=d, n_layer=n_layer, n_head=4)
     torch.manual_seed(0)
     model = GPT(cfg)
@@ -48,7 +49,7 @@ def build(d: int, n_layer: int, seq: int):
 
     step = ft.train_step(loss_fn, opt)
     state = ft.TrainState.create(ft.params_of(model), opt)
-    x = torch.randint(0, 257, (8, seq), generator=torch.Generator().manual_seed(0))
+    x = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(0))  # (B, T)
     return step, state, {"input": x, "target": torch.roll(x, -1, dims=1)}
 
 
@@ -179,8 +180,8 @@ def main() -> None:
     body = f"""
 `python benchmarks/checkpoint.py` on {machine()}. Load average {load_start:.1f} at the start and
 {load_end:.1f} at the end (the machine is shared; the sides of each comparison are interleaved).
-GPT d={d}, {n_layer} blocks, seq {seq}, AdamW: a state of {whole / MiB:.1f} MiB (params and two
-moments, fp32), on the local disk. ft.save hashes (sha256) and fsyncs every file and commits the
+GPT d={d}, {n_layer} blocks, AdamW: a state of {whole / MiB:.1f} MiB (params and two moments,
+fp32), on the local disk; steps of 2 rows of 32 tokens. ft.save hashes (sha256) and fsyncs every file and commits the
 directory atomically; torch.save pickles and does neither. Median of {repeats} saves and loads.
 
 {chr(10).join(rows)}

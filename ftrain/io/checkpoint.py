@@ -187,13 +187,19 @@ def snapshot(state: TrainState, extra: Mapping | None = None, *, copy: bool = Fa
     if sharded.is_sharded(state):
         p = sharded.plan(state)
         return Snapshot(None, p.host_copy() if copy else p, meta_extra)
-    tree, params, rest = flatten(state)
-    if copy:  # flatten's CPU tensors may be the state's own memory: copy those
-        own = {t.untyped_storage().data_ptr() for _, t in sharded.leaves(state)}
-        params, rest = (
-            {k: t.clone() if t.untyped_storage().data_ptr() in own else t for k, t in d.items()}
-            for d in (params, rest)
-        )
+    if copy:  # private host copies, pinned for CUDA tensors
+        tree = tree_of(state)
+        leaves = dict(sharded.leaves(state))
+        odd = (type(t) is not torch.Tensor or t.layout != torch.strided for t in leaves.values())
+        if any(odd) or state.step.dim() > 1 or state.step.shape != state.rng.shape:
+            flatten(state)  # refuses what a checkpoint cannot hold, naming it
+        copies = sharded.host_copies(leaves)
+        params = {
+            k.removeprefix("params."): t for k, t in copies.items() if k.startswith("params.")
+        }
+        rest = {k: t for k, t in copies.items() if not k.startswith("params.")}
+    else:
+        tree, params, rest = flatten(state)
     return Snapshot((tree, params, rest, int(state.step.max())), None, meta_extra)
 
 

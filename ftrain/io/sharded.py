@@ -54,7 +54,7 @@ from ftrain.io.meta import (
 from ftrain.state import TrainState
 from ftrain.tree import SEP
 
-__all__ = ["Plan", "box_of", "is_sharded", "leaves", "plan", "write"]
+__all__ = ["Plan", "box_of", "host_copies", "is_sharded", "leaves", "plan", "write"]
 
 SHARDED_VERSION = 2
 
@@ -139,14 +139,20 @@ class Plan:
     def host_copy(self) -> Plan:
         """The same plan over private host copies of the pieces (pinned memory for CUDA ones),
         so that training may go on changing the state while they are written."""
-        mine = {}
-        for key, t in self.mine.items():
-            pin = torch.cuda.is_available() and t.device.type == "cuda"
-            mine[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
-            mine[key].copy_(t, non_blocking=pin)
-        if any(t.device.type == "cuda" for t in self.mine.values()):
-            torch.cuda.synchronize()  # the non-blocking copies are done before anyone reads them
-        return dataclasses.replace(self, mine=mine)
+        return dataclasses.replace(self, mine=host_copies(self.mine))
+
+
+def host_copies(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Private host copies of ``tensors``: CUDA ones copied asynchronously into pinned memory
+    (then waited for, once), CPU ones cloned."""
+    out = {}
+    for key, t in tensors.items():
+        pin = t.device.type == "cuda"
+        out[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+        out[key].copy_(t.detach(), non_blocking=pin)
+    if any(t.device.type == "cuda" for t in tensors.values()):
+        torch.cuda.synchronize()  # the copies have landed before anyone reads them
+    return out
 
 
 def plan(state: TrainState) -> Plan:
