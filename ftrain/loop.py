@@ -141,6 +141,12 @@ def _restore(run: _Run, state: ft.TrainState) -> tuple[ft.TrainState, int]:
                 "position)",
                 file=sys.stderr,
             )
+    if len(meta["extra"].get("loaders", [])) > 1:  # per-process positions: an older ftrain's
+        raise SystemExit(
+            f"ftrain train: --resume: {latest} holds one data position per process, from an "
+            "ftrain whose sample order depended on the number of processes; this one cannot "
+            "continue it. Start a new --out from its state (ft.load) instead."
+        )
     run.recipe.loader.load_state_dict(meta["extra"]["loader"])  # global: the same on every rank
     start = int(state.step)
     if run.main:

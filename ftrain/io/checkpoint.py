@@ -290,7 +290,9 @@ def load_meta(path: str | os.PathLike) -> dict[str, Any]:
     Keys: ``step`` (int), ``created`` (ISO 8601, UTC), ``versions`` (ftrain, torch, tensordict,
     safetensors), ``extra`` (what was passed to ``save(extra=...)``, ``{}`` if nothing), ``files``
     (sha256 and size per tensor file), ``tree`` (TensorDict structure, ``"dtype[shape]"`` per
-    tensor), ``format``, ``format_version``. Tensor files are not read (:func:`load` verifies them).
+    tensor), ``format``, ``format_version`` (1: whole, 2: sharded); a sharded checkpoint also has
+    ``world_size`` and ``index`` (every tensor's pieces: ``ftrain.io.sharded``). Tensor files are
+    not read (:func:`load` verifies them).
     """
     return read_meta(_resolve(Path(path)))
 
