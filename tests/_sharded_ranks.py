@@ -109,7 +109,32 @@ def on_two(root: str) -> None:
                     "differs": differing(unshard_state(got), whole),
                     "layout": layouts(got) == layouts(like),
                 }
+    found["columns"] = _columns(root, whole_state("adamw"))
     _report(root, "two", found)
+
+
+def _columns(root: str, whole: ft.TrainState) -> dict:
+    """A layout split along another dimension (tensor parallelism's ``Shard(1)``): the
+    embedding's columns across the ranks. It saves and loads as pieces of the same format."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from ftrain.distributed import default_mesh
+
+    params = whole.params.clone()
+    params["wte", "weight"] = distribute_tensor(whole.params["wte", "weight"], default_mesh(),
+                                                [Shard(1)])  # fmt: skip
+    by_columns = whole.replace(params=params)
+    ft.save(by_columns, f"{root}/columns")
+    meta = ft.load_meta(f"{root}/columns")["index"]["params.wte.weight"]
+    back = ft.load(f"{root}/columns", like=by_columns)
+    as_rows = ft.load(f"{root}/columns", like=shard_state(whole, "fsdp"))
+    return {
+        "placements": meta["placements"],
+        "offsets": [piece["offsets"] for piece in meta["pieces"]],
+        "same layout": layouts(back) == layouts(by_columns),
+        "differs": differing(unshard_state(back), whole),
+        "differs as rows": differing(unshard_state(as_rows), whole),
+    }
 
 
 def on_three(root: str) -> None:

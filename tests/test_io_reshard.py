@@ -83,3 +83,13 @@ def _edit_meta(path, edit) -> None:
     edit(meta)
     meta["meta_sha256"] = io_meta.meta_checksum(meta)
     (path / "meta.json").write_text(json.dumps(meta))
+
+
+def test_a_layout_split_along_another_dimension_loads_either_way(sharded_checkpoints):
+    """The embedding split by columns (``Shard(1)``, as tensor parallelism splits it) is saved as
+    column pieces of the same format and loads back as columns, or as fsdp's rows, bit for bit."""
+    _, found = sharded_checkpoints
+    for rank in ("two0", "two1"):
+        got = found[rank]["columns"]
+        assert got["placements"] == [["shard", 1]] and got["offsets"] == [[0, 0], [0, 16]]
+        assert got["same layout"] and got["differs"] == [] and got["differs as rows"] == []
