@@ -17,7 +17,8 @@ from pathlib import Path
 from _common import RESULTS, machine
 
 HERE = Path(__file__).resolve().parent
-SCRIPTS = ["step_overhead", "transforms", "data", "optimizers", "mfu", "shard", "vmap"]
+SCRIPTS = ["step_overhead", "transforms", "data", "optimizers", "mfu", "shard", "vmap",
+           "checkpoint"]  # fmt: skip
 
 
 def main(names: list[str]) -> int:

@@ -15,6 +15,9 @@ from ftrain.distributed import shard_state, unshard_state
 from ftrain.evaluate import evaluate
 from ftrain.io import (
     CheckpointError,
+    SaveHandle,
+    Saver,
+    consolidate,
     latest_checkpoint,
     list_checkpoints,
     load,
@@ -43,6 +46,9 @@ from ftrain.version import __version__ as __version__
 __all__ = [
     "CheckpointError",
     "Loss",
+    "SaveHandle",
+    "Saver",
+    "consolidate",
     "latest_checkpoint",
     "list_checkpoints",
     "load",

@@ -1,8 +1,9 @@
-"""The ``ftrain`` command: ``ftrain train`` and ``ftrain sample``.
+"""The ``ftrain`` command: ``ftrain train``, ``ftrain sample`` and ``ftrain consolidate``.
 
     ftrain train --help                           # every setting of ftrain.config.TrainConfig
     ftrain train --out runs/a                     # ftrain.loop.train with the built-in recipe
     ftrain sample --run runs/a --prompt "def "    # ftrain.recipes.sample
+    ftrain consolidate --run runs/a --out export/  # ft.consolidate: whole-tensor params
 
 Bad flags get argparse's usage message and exit code 2, never a traceback; a damaged checkpoint
 gets its message and exit code 1; a run stopped by Ctrl-C (its checkpoint saved) exits with 130.
@@ -30,7 +31,7 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     p = argparse.ArgumentParser(
         prog="ftrain", description="Functional training for PyTorch: the main job and tools."
     )
-    sub = p.add_subparsers(dest="command", required=True, metavar="{train,sample}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{train,sample,consolidate}")
     t = sub.add_parser(
         "train",
         help="train a byte-level GPT on the Python standard library",
@@ -46,6 +47,16 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     s.add_argument("--temperature", type=float, default=0.8, metavar="T")
     s.add_argument("--top-k", type=int, default=50, metavar="K", help="0 = no top-k filter")
     s.add_argument("--seed", type=int, default=0)
+    c = sub.add_parser(
+        "consolidate",
+        help="whole-tensor params of a checkpoint, in Hugging Face's (sharded) layout",
+        description="Write the params of a checkpoint (whole or sharded, by any number of "
+        "processes) as whole tensors: OUT/model.safetensors, or past --max-shard-size "
+        "model-0000k-of-0000n.safetensors + model.safetensors.index.json.",
+    )
+    c.add_argument("--run", required=True, metavar="PATH", help="run directory or checkpoint")
+    c.add_argument("--out", required=True, metavar="DIR", help="directory to write")
+    c.add_argument("--max-shard-size", default="5GB", metavar="SIZE", help="default: 5GB")
     return p, t
 
 
@@ -84,6 +95,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ftrain sample: {e}", file=sys.stderr)
             return 1
         print(text)
+        return 0
+    if ns.command == "consolidate":
+        try:
+            files = ft.consolidate(ns.run, ns.out, max_shard_size=ns.max_shard_size)
+        except ValueError as e:
+            p.error(f"consolidate: {e}")
+        except ft.CheckpointError as e:
+            print(f"ftrain consolidate: {e}", file=sys.stderr)
+            return 1
+        print(f"ftrain consolidate: wrote {', '.join(f.name for f in files)} to {ns.out}")
         return 0
     return 2  # pragma: no cover
 

@@ -35,6 +35,7 @@ from ftrain.config import TrainConfig, flag_name
 
 # The one import of the sharding helpers (the recipe composes the step with the public ft.shard).
 from ftrain.distributed import shard_state, unshard, unshard_state
+from ftrain.io.sharded import is_sharded
 from ftrain.recipes import for_config, gpt
 
 __all__ = ["RESUME_FIXED", "evaluate", "train"]
@@ -53,17 +54,20 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     out = Path(_from_rank0(str(rundir.prepare_out(cfg)) if main else None, world))
     recipe = for_config(cfg).build(cfg, rank=rank, world=world, quiet=not main)
     run = _Run(cfg, rank, world, out, recipe)
-    state, start = _restore(run)
+    state = recipe.state
     if cfg.shard != "none":
         state = shard_state(state, cfg.shard)  # whole tensors -> this process's layout
+    state, start = _restore(run, state)  # each process reads only what it keeps
     log = rundir.MetricsLog(out / "metrics.jsonl", start) if main else None
     if main:
         rundir.write_config(out, cfg)
     report = _Report(run, log, start)
-    state, interrupted = _train_steps(run, state, start, report)
-    report.close()
-    _save(run, state)
-    return _finish(run, state, report, interrupted)
+    # Checkpoints are written in the background while training goes on; leaving waits for the last.
+    with ft.Saver() as saver:
+        state, interrupted = _train_steps(run, state, start, report, saver)
+        report.close()
+        _save(run, state, saver)
+        return _finish(run, state, report, interrupted)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,10 +112,12 @@ def _launch(cfg: TrainConfig) -> tuple[TrainConfig, int, int]:
 
 
 # -- resume -------------------------------------------------------------------------------------
-def _restore(run: _Run) -> tuple[ft.TrainState, int]:
-    """The recipe's state at step 0, or on ``--resume`` the newest valid checkpoint's (after
-    checking that it continues this run) with the data position restored; and its step."""
-    cfg, state = run.cfg, run.recipe.state
+def _restore(run: _Run, state: ft.TrainState) -> tuple[ft.TrainState, int]:
+    """``state`` (the recipe's at step 0, laid out for this process), or on ``--resume`` the
+    newest valid checkpoint's laid out the same way (after checking that it continues this run),
+    with the data position restored; and its step. The checkpoint may come from any number of
+    processes and any ``--shard`` strategy."""
+    cfg = run.cfg
     if not cfg.resume:
         return state, 0
     # Rank 0 finds the newest checkpoint that verifies (reading each file once; what an
@@ -123,9 +129,9 @@ def _restore(run: _Run) -> tuple[ft.TrainState, int]:
         return state, 0
     meta = ft.load_meta(latest)
     saved = rundir.saved_config(meta)
-    _check_world_size(meta, run.world)
+    _check_global_batch(cfg, saved, meta, run.world)
     _check_resumed_config(cfg, saved, run.main)
-    state = _load_state(latest, meta, state, saved)  # whole tensors: the caller lays them out
+    state = _load_state(latest, meta, state, saved)
     if "lr" in saved and saved["lr"] != cfg.lr:
         state = gpt.set_peak_lr(state, cfg.lr)
         if run.main:
@@ -135,8 +141,13 @@ def _restore(run: _Run) -> tuple[ft.TrainState, int]:
                 "position)",
                 file=sys.stderr,
             )
-    extra = meta["extra"]
-    run.recipe.loader.load_state_dict(extra.get("loaders", [extra["loader"]])[run.rank])
+    if len(meta["extra"].get("loaders", [])) > 1:  # per-process positions: an older ftrain's
+        raise SystemExit(
+            f"ftrain train: --resume: {latest} holds one data position per process, from an "
+            "ftrain whose sample order depended on the number of processes; this one cannot "
+            "continue it. Start a new --out from its state (ft.load) instead."
+        )
+    run.recipe.loader.load_state_dict(meta["extra"]["loader"])  # global: the same on every rank
     start = int(state.step)
     if run.main:
         print(f"ftrain train: resumed from {latest} (step {start})")
@@ -157,18 +168,19 @@ def _load_state(latest: Path, meta: dict, like: ft.TrainState, saved: dict) -> f
     return inner.replace(opt_state=opt_state)
 
 
-def _check_world_size(meta: dict, world: int) -> None:
-    """Refuse to resume with another number of processes: each process's share of the data and
-    the global batch depend on it, so the run would not continue as it would have."""
-    saved = meta["extra"].get("world_size", 1)
-    if saved != world:
+def _check_global_batch(cfg: TrainConfig, saved: dict, meta: dict, world: int) -> None:
+    """A resumed run may have another number of processes (the sample order is global), but the
+    same global batch: refuse another one, naming the flag that keeps it."""
+    was = meta["extra"].get("world_size", 1)
+    then = saved.get("batch_size", cfg.batch_size) * saved.get("micro_batches", 1) * was
+    now = cfg.batch_size * cfg.micro_batches * world
+    if then != now:
         raise SystemExit(
-            f"ftrain train: --resume: the checkpoint was written by {saved} process(es), this run "
-            f"has {world}. The data each process reads and the global batch depend on that number, "
-            f"so the run would not continue as it would have: resume with "
-            f"`torchrun --nproc_per_node {saved} -m ftrain train ... --resume`. (The state itself is "
-            "saved whole: ft.load(path) and ft.shard_state(state, strategy) lay it out for any "
-            "number of processes, e.g. to fine-tune from it.)"
+            f"ftrain train: --resume: the checkpoint's global batch is {then} rows a step "
+            f"({saved.get('micro_batches', 1)} micro-batch(es) x {was} process(es)), this run's "
+            f"is {now} ({cfg.micro_batches} x {world}); the run would not continue as it would "
+            f"have. Pass --global-batch-size {then} (micro-batches are then set for {world} "
+            "process(es))."
         )
 
 
@@ -208,7 +220,7 @@ def _check_resumed_config(cfg: TrainConfig, saved: dict[str, Any], main: bool) -
 
 # -- the steps ----------------------------------------------------------------------------------
 def _train_steps(
-    run: _Run, state: ft.TrainState, start: int, report: _Report
+    run: _Run, state: ft.TrainState, start: int, report: _Report, saver: ft.Saver
 ) -> tuple[ft.TrainState, bool]:
     """Steps ``start + 1`` to ``max_steps``, logging, evaluating and saving on their schedules;
     returns the state and whether a Ctrl-C stopped it early (always after a whole step)."""
@@ -224,7 +236,7 @@ def _train_steps(
                 if run.main:
                     report.validation(n, evaluate(recipe.model, params, recipe.valid, cfg))
             if cfg.save_every and n % cfg.save_every == 0 and n != cfg.max_steps:
-                _save(run, state)
+                _save(run, state, saver)
             report.advance()
             if run.world > 1:  # stop together: a process that stops alone leaves the others waiting
                 flag["stop"] = _any_rank(flag["stop"])
@@ -331,23 +343,18 @@ def _deferred_interrupt() -> Iterator[dict[str, bool]]:
 
 
 # -- saving and the end of a run ----------------------------------------------------------------
-def _save(run: _Run, state: ft.TrainState) -> None:
-    """A checkpoint in the run folder: whole tensors, the resolved settings and each process's
-    data position. Every process takes part (gathering a sharded state is a collective); rank 0
-    writes."""
+def _save(run: _Run, state: ft.TrainState, saver: ft.Saver) -> None:
+    """A checkpoint in the run folder, written in the background (the next save and the end of
+    the run wait for it): the state as laid out (a sharded one is written by every process, each
+    its own pieces; a whole one by rank 0), the resolved settings and the global data position."""
     cfg = run.cfg
-    whole = unshard_state(state) if cfg.shard != "none" else state
-    loaders = _all_ranks(run.recipe.loader.state_dict(), run.world)
-    if run.main:
-        extra = {
-            "config": cfg.to_dict(),
-            "loader": loaders[0],
-            "loaders": loaders,
-            "world_size": run.world,
-        }
-        ft.save_checkpoint(run.out, whole, keep=cfg.keep, extra=extra)
-    if run.world > 1:
-        torch.distributed.barrier()
+    extra = {
+        "config": cfg.to_dict(),
+        "loader": run.recipe.loader.state_dict(),
+        "world_size": run.world,
+    }
+    if run.main or is_sharded(state):
+        saver.save_checkpoint(run.out, state, keep=cfg.keep, extra=extra)
 
 
 def _finish(run: _Run, state: ft.TrainState, report: _Report, interrupted: bool) -> dict[str, Any]:
@@ -410,12 +417,3 @@ def _any_rank(flag: bool) -> bool:
     t = torch.tensor(int(flag), device=device)
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
     return bool(t.item())
-
-
-def _all_ranks(value: Any, world: int) -> list[Any]:
-    """Every process's ``value``, in rank order (an all-gather; ``[value]`` with one process)."""
-    if world == 1:
-        return [value]
-    out: list[Any] = [None] * world
-    torch.distributed.all_gather_object(out, value)
-    return out

@@ -18,9 +18,10 @@ were.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -45,6 +46,8 @@ __all__ = [
     "assert_one_graph",
     "saved_activation_bytes",
     "saved_bytes",
+    "track_allocations",
+    "AllocationPeak",
     "max_rel_error",
     "run_distributed",
     "DistributedError",
@@ -339,3 +342,35 @@ def saved_activation_bytes(step: Step, state: TrainState, batch: Any) -> int:
 
 def _compiled(step: Step) -> bool:
     return any(isinstance(t, Compile) for t in step.transforms)
+
+
+class AllocationPeak(_AllocationRecorder):
+    """What :func:`track_allocations` yields: ``peak``, the most bytes of storages allocated
+    inside the block that were alive at once; ``alive_bytes()``, those alive now."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        self.peak = max(self.peak, self.alive_bytes())  # O(storages) per op: for tests
+        return out
+
+
+@contextlib.contextmanager
+def track_allocations() -> Iterator[AllocationPeak]:
+    """Measure the memory that torch ops allocate on this thread inside the block::
+
+        with track_allocations() as mem:
+            ft.save(state, path)
+        mem.peak  # the most bytes of tensors made in the block that were alive at once
+
+    Counts every new storage an op makes (copies, gathers, results), for as long as anything
+    holds it; views, in-place ops and tensors made before the block count nothing. Memory that is
+    not a torch tensor (a Python ``bytes``, a file's pages) is not counted, nor are ops of other
+    threads.
+    """
+    recorder = AllocationPeak()
+    with recorder:
+        yield recorder

@@ -97,3 +97,29 @@ def two_ranks(tmp_path_factory) -> list[dict]:
     from _two_ranks import WORLD, on_two_ranks
 
     return run_distributed(on_two_ranks, WORLD, str(tmp_path_factory.mktemp("two_ranks")))
+
+
+# --- sharded checkpoints (tests/test_io_sharded.py, test_io_reshard.py, test_io_consolidate.py) ---
+
+
+@pytest.fixture(scope="session")
+def sharded_checkpoints(tmp_path_factory) -> tuple[str, dict]:
+    """``(root, found)``: the checkpoints that :mod:`_sharded_ranks` saves on 2 and then 3 gloo
+    processes (about 35 s; the second launch ends with rank 1 killed mid-save, on purpose), and
+    what each rank found, by ``"two0"``, ``"two1"``, ``"three0"``, ... ."""
+    import os
+
+    from _sharded_ranks import on_three, on_two
+
+    from ftrain.distributed import DistributedError
+
+    root = str(tmp_path_factory.mktemp("sharded"))
+    run_distributed(on_two, 2, root)
+    with pytest.raises(DistributedError, match="rank 1 ---\nthe process exited with code 9"):
+        run_distributed(on_three, 3, root, timeout=240)
+    found = {}
+    for name, world in (("two", 2), ("three", 3)):
+        for r in range(world):
+            with open(os.path.join(root, f"{name}-rank{r}.json")) as f:
+                found[f"{name}{r}"] = json.load(f)
+    return root, found

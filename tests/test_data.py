@@ -413,3 +413,33 @@ def test_document_dataset_with_bucketing(tmp_path):
     assert _padding(bucketed) < 0.5 * _padding(random)
     assert all(b["mask"].any(1).all() for b in bucketed)  # no empty row
     assert all((b["input"][~b["mask"]] == ds.eot_id).all() for b in bucketed)
+
+
+@pytest.mark.parametrize("infinite", [False, True])
+def test_processes_share_one_global_order_and_position(infinite):
+    """World size 2 or 3: process r takes every world-th sample of the one global order from the
+    r-th on, so a global batch holds the samples a one-process loader's batch of the same global
+    size holds; the position is global, so a state saved with 2 processes resumes on 1 or 3
+    with the batches that follow."""
+    ds = Numbered(23)  # uneven over 2 and 3 processes
+    one = data.loader(ds, 6, seed=5, infinite=infinite)
+    reference = ids(take(iter(one), 7 if infinite else 3))
+    for world in (2, 3):
+        ranks = [data.loader(ds, 6 // world, seed=5, infinite=infinite, rank=r, world_size=world)
+                 for r in range(world)]  # fmt: skip
+        streams = [ids(take(iter(ld), len(reference))) for ld in ranks]
+        for k, batch in enumerate(reference):
+            assert [s[k] for s in streams] == [batch[r::world] for r in range(world)]
+        assert len({json.dumps(ld.state_dict()) for ld in ranks}) == 1
+        assert ranks[0].state_dict() == one.state_dict()
+    if infinite:  # resume on another number of processes, mid-stream
+        two = [data.loader(ds, 3, seed=5, infinite=True, rank=r, world_size=2) for r in (0, 1)]
+        for ld in two:
+            take(iter(ld), 3)
+        again = data.loader(ds, 2, seed=5, infinite=True, rank=1, world_size=3)
+        again.load_state_dict(two[0].state_dict())
+        assert ids(take(iter(again), 4)) == [b[1::3] for b in reference[3:7]]
+    with pytest.raises(ValueError, match="rank must be < world_size"):
+        data.loader(ds, 2, rank=2, world_size=2)
+    with pytest.raises(ValueError, match="pass drop_last=True or infinite=True"):
+        data.loader(ds, 2, rank=0, world_size=2, drop_last=False)

@@ -287,12 +287,57 @@ def _train_and_stop_rank_0_at_its_first_log(cfg):
 
 def test_a_ctrl_c_on_one_rank_stops_every_rank_at_the_same_step(tmp_path, tiny_run):
     """Every process stops after the same step (one that stopped alone would leave the others
-    waiting in a collective); the per-step check is one all-reduce, not an object gather: the only
-    one is the final save's (each process's data position)."""
+    waiting in a collective); the per-step check is one all-reduce, not an object gather, and the
+    saves gather nothing either (the data position is global, the same on every process)."""
     cfg = _config([*tiny_run, "--max-steps", "1000", "--save-every", "0", "--out",
                    str(tmp_path / "run")])  # fmt: skip
     ranks = ft.distributed.run_distributed(_train_and_stop_rank_0_at_its_first_log, 2, cfg)
     (step0, interrupted, gathers0), (step1, _, gathers1) = ranks
     assert step0 == step1 < 1000 and interrupted
-    assert gathers0 == gathers1 == 1
+    assert gathers0 == gathers1 == 0
     assert int(ft.load(ft.latest_checkpoint(tmp_path / "run")).step) == step0
+
+
+def _train_each(cfgs):
+    return [train(cfg)["step"] for cfg in cfgs]
+
+
+def _losses(out):
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+def test_resume_on_another_number_of_processes_continues_the_same_run(tmp_path, tiny_run):
+    """The sample order is global and the checkpoint reshards: a 2-process fsdp run stopped at
+    step 3 and resumed on 1 process gives the uninterrupted 2-process run's losses (to 1e-5), and
+    a 1-process run stopped at step 3 and resumed on 2 processes the uninterrupted 1-process
+    run's. The global batch (4 rows) is kept by --global-batch-size."""
+    common = [*tiny_run, "--batch-size", "2", "--global-batch-size", "4", "--decay-steps", "6",
+              "--save-every", "0"]  # fmt: skip
+
+    def cfg(out, steps, *more):
+        return _config([*common, "--out", str(tmp_path / out), "--max-steps", str(steps), *more])
+
+    ft.distributed.run_distributed(
+        _train_each, 2, [cfg("full2", 6, "--shard", "fsdp"), cfg("part2", 3, "--shard", "fsdp")]
+    )
+    assert ft.load_meta(ft.latest_checkpoint(tmp_path / "part2"))["format_version"] == 2
+    for args in (("part2", 6, "--resume"), ("full1", 6), ("part1", 3)):
+        train(cfg(*args))
+    ft.distributed.run_distributed(_train_each, 2, [cfg("part1", 6, "--shard", "fsdp", "--resume")])
+    for resumed, reference in (("part2", "full2"), ("part1", "full1")):
+        got, want = _losses(tmp_path / resumed), _losses(tmp_path / reference)
+        assert sorted(got) == sorted(want) == list(range(1, 7))
+        for step in want:
+            assert abs(got[step] - want[step]) <= 1e-5, (resumed, step, got[step], want[step])
+    # the 1- and 2-process runs are the same run too
+    assert max(abs(a - b) for a, b in zip(_losses(tmp_path / "full1").values(),
+                                          _losses(tmp_path / "full2").values())) <= 1e-5  # fmt: skip
+
+
+def test_resume_refuses_another_global_batch(tmp_path, tiny_run):
+    out = tmp_path / "run"
+    assert main(["train", *tiny_run, "--max-steps", "1", "--out", str(out)]) == 0
+    with pytest.raises(SystemExit, match=r"global batch is 4 rows.*--global-batch-size 4"):
+        train(_config([*tiny_run, "--max-steps", "2", "--out", str(out), "--resume",
+                       "--micro-batches", "2"]))  # fmt: skip

@@ -19,13 +19,23 @@ class OrderNode(BaseNode[int]):
     """Source node: the indices of `order(epoch)` from a start position; no state of its own.
 
     Yields the first `per_epoch` indices of each epoch's order; stops at the end of the epoch,
-    or goes on to the next epoch when `infinite`.
+    or goes on to the next epoch when `infinite`. With `world_size` > 1 the epochs form one
+    global stream and this node yields every `world_size`-th index of it from `rank` on: the
+    processes of a run share one sample order, whatever their number.
     """
 
-    def __init__(self, order: Callable[[int], np.ndarray], per_epoch: int, infinite: bool):
+    def __init__(
+        self,
+        order: Callable[[int], np.ndarray],
+        per_epoch: int,
+        infinite: bool,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
         super().__init__()
         self.order, self.per_epoch, self.infinite = order, per_epoch, infinite
-        self.start = (0, 0)  # set by Loader before each reset
+        self.rank, self.world_size = rank, world_size  # this process reads every world_size-th
+        self.start = (0, 0)  # the global position, set by Loader before each reset
 
     def reset(self, initial_state: dict | None = None):
         super().reset(initial_state)
@@ -33,17 +43,22 @@ class OrderNode(BaseNode[int]):
             self.epoch, self.sample = initial_state["epoch"], initial_state["sample"]
         else:
             self.epoch, self.sample = self.start
+            self.sample += self.rank  # this process's first sample of the global stream
         self._indices: np.ndarray | None = None
 
     def next(self) -> int:
-        if self.sample >= self.per_epoch:
+        while self.sample >= self.per_epoch:  # the stream goes on in the next epoch's order
             if not self.infinite:
                 raise StopIteration
-            self.epoch, self.sample, self._indices = self.epoch + 1, 0, None
+            self.epoch, self.sample, self._indices = (
+                self.epoch + 1,
+                self.sample - self.per_epoch,
+                None,
+            )
         if self._indices is None:
             self._indices = self.order(self.epoch)
         i = int(self._indices[self.sample])
-        self.sample += 1
+        self.sample += self.world_size
         return i
 
     def get_state(self) -> dict[str, int]:

@@ -127,6 +127,8 @@ class Loader:
         collate: Callable[[list], Batch],
         infinite: bool,
         worker_method: Literal["thread", "process"],
+        rank: int = 0,
+        world_size: int = 1,
     ):
         self.dataset, self.batch_size, self.device = dataset, batch_size, device
         self.num_workers, self.prefetch, self.seed = num_workers, prefetch, seed
@@ -138,8 +140,11 @@ class Loader:
         )
         n = len(dataset)
         self.num_samples = n
+        self.rank, self.world_size = rank, world_size
+        # one global batch: every process's batch, cut from one sample order (strided)
+        self.global_batch_size = g = batch_size * world_size
         # samples used per epoch: with drop_last, the tail that does not fill a batch is skipped
-        self.samples_per_epoch = n - n % batch_size if drop_last else n
+        self.samples_per_epoch = n - n % g if drop_last else n
         self.pin_memory = pin_memory and device.type == "cuda"
         self._epoch, self._sample = 0, 0
         self._active: object | None = None
@@ -150,7 +155,7 @@ class Loader:
         # The graph, in the order the data flows. snapshot_frequency=0: torchdata's own resume
         # (a snapshot of the upstream state after every item) would be wasted work, since a
         # position is all this loader needs to resume.
-        node: BaseNode = OrderNode(order, self.samples_per_epoch, infinite)
+        node: BaseNode = OrderNode(order, self.samples_per_epoch, infinite, rank, world_size)
         self._source = node
         # in_order=True: the workers' results come out in the sampler's order, so the batches
         # do not depend on the number of workers or on which one finishes first.
@@ -186,13 +191,14 @@ class Loader:
 
     @property
     def sample(self) -> int:
-        """How many samples of the current epoch's order were already delivered."""
+        """How many samples of the current epoch's order were already delivered (to every
+        process together: the position is global)."""
         return self._sample
 
     @property
     def batches_per_epoch(self) -> int:
         """Batches in one epoch (a last partial batch counted, when `drop_last=False`)."""
-        return -(-self.samples_per_epoch // self.batch_size)
+        return -(-self.samples_per_epoch // self.global_batch_size)
 
     def __len__(self) -> int:
         """Batches in a full epoch (`batches_per_epoch`); an infinite loader has no length."""
@@ -201,7 +207,7 @@ class Loader:
         return self.batches_per_epoch
 
     def _advance(self) -> None:
-        m, B = self.samples_per_epoch, self.batch_size
+        m, B = self.samples_per_epoch, self.global_batch_size
         if self.infinite:  # one stream of epochs: a batch may end one epoch and start the next
             self._epoch, self._sample = divmod(self._epoch * m + self._sample + B, m)
         else:
@@ -219,7 +225,7 @@ class Loader:
     def _config(self) -> dict[str, Any]:
         return {
             "num_samples": self.num_samples,
-            "batch_size": self.batch_size,
+            "batch_size": self.global_batch_size,  # per process x processes: what must match
             "drop_last": self.drop_last,
             "order": getattr(self.order, "key", type(self.order).__qualname__),
         }
@@ -242,7 +248,9 @@ class Loader:
         With `strict=True` (the default) the dataset size, batch size, drop_last and order (its
         kind and seed) must be those of the loader that saved it, since otherwise the batches
         would differ; a ValueError lists what differs. `strict=False` resumes at the same
-        (epoch, sample) anyway. Workers, prefetch, pin_memory and device may always differ.
+        (epoch, sample) anyway. Workers, prefetch, pin_memory and device may always differ,
+        and so may the number of processes, as long as the global batch (``batch_size`` x
+        ``world_size``) is the same: the position is one of the global sample order.
         """
         if not isinstance(state_dict, Mapping) or state_dict.get("format") != STATE_FORMAT:
             raise ValueError(
@@ -293,6 +301,8 @@ def loader(
     collate: Callable[[list], Batch] | None = None,
     infinite: bool = False,
     worker_method: Literal["thread", "process"] = "thread",
+    rank: int = 0,
+    world_size: int = 1,
 ) -> Loader:
     """Batches of `dataset` through a `torchdata.nodes` graph, resumable exactly.
 
@@ -327,6 +337,11 @@ def loader(
         infinite: one iteration never ends; epochs follow each other in one stream.
         worker_method: "thread" (default; numpy and torch release the GIL) or "process"
             (the dataset must pickle).
+        rank, world_size: this process's share of a data-parallel run. The processes share one
+            global order; a global batch is `batch_size * world_size` consecutive samples of
+            it, and process `rank` takes every `world_size`-th of them from the `rank`-th on.
+            The position (`state_dict`) is global, so a run resumes on another number of
+            processes with the same global batch and continues with the same samples.
 
     Example:
         >>> import torch
@@ -346,6 +361,17 @@ def loader(
         raise ValueError(f"{who}: prefetch must be an int >= 0 (0: no prefetch), got {prefetch!r}")
     if not isinstance(seed, int) or not 0 <= seed < 2**32:
         raise ValueError(f"{who}: seed must be an int in [0, 2**32), got {seed!r}")
+    for name, v, low in (("world_size", world_size, 1), ("rank", rank, 0)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ValueError(f"{who}: {name} must be an int >= {low}, got {v!r}")
+    if rank >= world_size:
+        raise ValueError(f"{who}: rank must be < world_size, got {rank} and {world_size}")
+    if world_size > 1 and not (drop_last or infinite):
+        raise ValueError(
+            f"{who}: with world_size={world_size}, an epoch's last partial global batch would "
+            "give the processes different numbers of batches; pass drop_last=True or "
+            "infinite=True"
+        )
     if worker_method not in ("thread", "process"):
         raise ValueError(
             f"{who}: worker_method must be 'thread' or 'process', got {worker_method!r}"
@@ -364,9 +390,10 @@ def loader(
     n = len(dataset)
     if n == 0:
         raise ValueError(f"{who}: the dataset is empty")
-    if drop_last and n < batch_size:
+    if drop_last and n < batch_size * world_size:
         raise ValueError(
-            f"{who}: batch_size={batch_size} is larger than the dataset ({n} samples) and "
+            f"{who}: batch_size={batch_size} x world_size={world_size} is larger than the "
+            f"dataset ({n} samples) and "
             "drop_last=True, so there would be no batch; lower batch_size or pass drop_last=False"
         )
 
@@ -402,4 +429,6 @@ def loader(
         collate=collate_fn,
         infinite=infinite,
         worker_method=worker_method,
+        rank=rank,
+        world_size=world_size,
     )

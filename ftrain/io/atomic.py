@@ -31,12 +31,14 @@ from typing import IO, Any, NamedTuple
 
 __all__ = [
     "Leftover",
+    "commit_dir",
     "delete_dir",
     "find_leftovers",
     "fsync_dir",
     "fsync_file",
     "leftovers",
     "recover",
+    "temporary_dir",
     "write_dir",
     "write_file",
     "write_json",
@@ -104,21 +106,36 @@ def write_dir(path: str | os.PathLike) -> Iterator[Path]:
             (tmp / "a.txt").write_text("...")
             (tmp / "b.txt").write_text("...")
     """
-    path = Path(path)
-    recover(path)
-    tmp = path.with_name(f"{path.name}.tmp-{secrets.token_hex(4)}")
-    tmp.mkdir()
+    tmp = temporary_dir(path)
     try:
         yield tmp
         _fsync_tree(tmp)
-        _commit(tmp, path)
+        commit_dir(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # gone already if the commit got that far
         raise
 
 
-def _commit(tmp: Path, path: Path) -> None:
-    """Rename the finished ``tmp`` to ``path``; an existing ``path`` goes aside, deleted last."""
+def temporary_dir(path: str | os.PathLike) -> Path:
+    """A new empty ``<path>.tmp-<hex>`` directory to write a new version of ``path`` into, after
+    recovering what earlier interrupted commits of ``path`` left (:func:`recover`).
+
+    For writers that fill it from several processes (a sharded checkpoint): fill it, fsync what
+    was written, then :func:`commit_dir` it from one process. A kill before the commit leaves only
+    the ``.tmp-`` leftover, which readers ignore and :func:`recover` deletes.
+    """
+    path = Path(path)
+    recover(path)
+    tmp = path.with_name(f"{path.name}.tmp-{secrets.token_hex(4)}")
+    tmp.mkdir()
+    return tmp
+
+
+def commit_dir(tmp: str | os.PathLike, path: str | os.PathLike) -> None:
+    """Rename the finished, fsynced directory ``tmp`` to ``path`` atomically; an existing
+    ``path`` is renamed aside first and deleted last (a kill leaves the old or the new one whole,
+    or the old one aside for :func:`recover`)."""
+    tmp, path = Path(tmp), Path(path)
     if not path.exists():
         os.replace(tmp, path)
         fsync_dir(path.parent)

@@ -7,6 +7,10 @@ A checkpoint is a directory::
         state.safetensors    # "step", "rng", "opt_state.<path>", "extra.<path>"
         meta.json            # step, versions, creation time, the tree, sha256 per file, your extra
 
+A sharded state (``ft.shard``'s zero1/zero2/fsdp layouts) is saved sharded instead: each process
+writes only its own pieces, plus one index (:mod:`ftrain.io.sharded`); :func:`load` lays either
+kind onto any world size and layout.
+
 Guarantees:
 
 * **No pickle.** Tensors are written and read with safetensors, everything else with JSON. Loading
@@ -20,31 +24,30 @@ Guarantees:
   aside first and deleted last. A process killed at any moment leaves the old or the new
   checkpoint whole, and :func:`load`, ``latest_checkpoint`` and the next :func:`save` recover from
   what an interrupted save left behind. One process writes a given path (or run folder) at a
-  time: under ``torchrun`` that is rank 0.
+  time: under ``torchrun`` that is rank 0, or every rank together for a sharded state.
 
 ``params.safetensors`` is an ordinary state dict: ``module.load_state_dict(
-safetensors.torch.load_file(path / "params.safetensors"))`` loads it into the plain module.
+safetensors.torch.load_file(path / "params.safetensors"))`` loads it into the plain module
+(``ft.consolidate`` writes one from a sharded checkpoint).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
-import hashlib
 import json
-import math
 import os
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import safetensors
 import safetensors.torch
-import tensordict
 import torch
 from tensordict import TensorDict
 
-from ftrain.io import atomic
+from ftrain.io import atomic, reshard, sharded, tensorfile
+from ftrain.io.background import SaveHandle
 from ftrain.io.layout import (
     PARAMS_FILE,
     STATE_FILE,
@@ -54,25 +57,32 @@ from ftrain.io.layout import (
     tree_of,
     unflatten,
 )
+from ftrain.io.meta import (
+    FORMAT,
+    META_FILE,
+    check_replaceable,
+    checked_json,
+    meta_checksum,
+    read_meta,
+    verify_file,
+    versions,
+)
 from ftrain.state import TrainState
 from ftrain.tree import SEP
-from ftrain.version import __version__
 
 __all__ = [
     "CheckpointError",
     "CheckpointWarning",
+    "Snapshot",
     "load",
     "load_meta",
     "meta_checksum",
     "save",
+    "snapshot",
     "verify_checkpoint",
 ]
 
-META_FILE = "meta.json"
-FORMAT = "ftrain-checkpoint"
-FORMAT_VERSION = 1
-
-_CHUNK = 1 << 22  # bytes read at a time when hashing
+WHOLE_VERSION = 1  # the format_version of a whole checkpoint (a sharded one is 2)
 
 
 class CheckpointWarning(UserWarning):
@@ -82,8 +92,16 @@ class CheckpointWarning(UserWarning):
 # --- save ----------------------------------------------------------------------------------------
 
 
-def save(state: TrainState, path: str | os.PathLike, *, extra: Mapping | None = None) -> Path:
-    """Write ``state`` to the checkpoint directory ``path``, atomically. Returns ``Path(path)``.
+def save(
+    state: TrainState,
+    path: str | os.PathLike,
+    *,
+    extra: Mapping | None = None,
+    blocking: bool = True,
+) -> Path | SaveHandle:
+    """Write ``state`` to the checkpoint directory ``path``, atomically. Returns ``Path(path)``,
+    or with ``blocking=False`` a :class:`~ftrain.io.background.SaveHandle` whose ``wait()``
+    returns it.
 
     Every tensor of ``state`` is written with safetensors from a contiguous CPU copy (tensors on an
     accelerator are copied to the host; that waits for it). ``meta.json`` records the step, the
@@ -93,13 +111,21 @@ def save(state: TrainState, path: str | os.PathLike, *, extra: Mapping | None = 
     Args:
         state: the :class:`~ftrain.TrainState` to write. Its TensorDicts must be plain
             ``TensorDict``\\ s with ``batch_size=[]`` holding tensors (as ``ft.params_of`` and the
-            optimizers build them).
+            optimizers build them). A state laid out by ``ft.shard_state`` (DTensors) is saved
+            sharded: then every process must call ``save`` with the same ``path`` (a
+            collective), and each writes only the pieces it holds.
         path: the checkpoint directory. Its parent is created if needed. If it exists it must be a
             checkpoint (only ``meta.json`` and ``*.safetensors`` files); it is replaced.
         extra: JSON metadata to keep beside the tensors (config, data-loader state, ...): a dict
             with str keys of dicts, lists, tuples (read back as lists), str, int, finite float,
             bool and None. Read it back with ``load_meta(path)["extra"]``. Not to be confused with
             ``state.extra``, the tensors that transforms keep in the state.
+        blocking: ``False`` copies the tensors to host memory (pinned for CUDA ones) now and
+            writes them from a background thread: the caller may go on changing ``state`` at
+            once. Keep the handle and ``wait()`` on it before the next save (``ft.Saver`` does
+            it for you); an error of the write is raised by ``wait()``. The interpreter's exit
+            waits for the thread. A sharded background save runs its collectives on a process
+            group of its own (made here: every process calls ``save``).
 
     Atomicity: everything is written to ``<path>.tmp-<token>``, fsynced (files and directory), then
     renamed to ``path``. An existing ``path`` is first renamed to ``<path>.old-<token>`` and deleted
@@ -115,24 +141,86 @@ def save(state: TrainState, path: str | os.PathLike, *, extra: Mapping | None = 
         raise TypeError(
             f"ft.save(state, path): state must be an ft.TrainState, got {type(state).__name__}."
         )
+    snap = snapshot(state, extra, copy=not blocking)
     path = Path(path)
-    meta_extra = _checked_json(extra)
-    tree, params_tensors, state_tensors = flatten(state)
+    if blocking:
+        return snap.write(path)
+    group = snap.new_group()
+    return SaveHandle(lambda: snap.write(path, group), f"ft.save({str(path)!r})")
 
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """What a save writes, taken from a state by :func:`snapshot`: its tensors on the host and
+    its metadata. ``write`` may run on another thread while the state changes if the snapshot
+    holds copies."""
+
+    whole: tuple | None  # (tree, params tensors, other tensors, step) of a whole state
+    plan: sharded.Plan | None  # this process's pieces of a sharded state
+    extra: dict  # the JSON metadata
+
+    def write(self, path: str | os.PathLike, group: Any = None) -> Path:
+        """Write the checkpoint directory ``path`` (atomically; a collective over ``group``,
+        default all processes, for a sharded snapshot)."""
+        if self.plan is not None:
+            return sharded.write(self.plan, Path(path), self.extra, group)
+        return _write_whole(self.whole, Path(path), self.extra)
+
+    @property
+    def step(self) -> int:
+        """The saved state's step (a stacked state's furthest member's)."""
+        return self.plan.step if self.plan is not None else self.whole[3]
+
+    def new_group(self) -> Any:
+        """A new process group for a sharded write (None for a whole one): collectives of a
+        background write must not interleave with the training step's on the default group.
+        A collective: every process calls it."""
+        if self.plan is None:
+            return None
+        return torch.distributed.new_group(backend="gloo")
+
+
+def snapshot(state: TrainState, extra: Mapping | None = None, *, copy: bool = False) -> Snapshot:
+    """What :func:`save` writes of ``state``: checked (names anything a checkpoint cannot hold),
+    with the tensors as host views, or with ``copy`` private host copies."""
+    meta_extra = checked_json(extra)
+    if sharded.is_sharded(state):
+        p = sharded.plan(state)
+        return Snapshot(None, p.host_copy() if copy else p, meta_extra)
+    if copy:  # private host copies, pinned for CUDA tensors
+        tree = tree_of(state)
+        leaves = dict(sharded.leaves(state))
+        odd = (type(t) is not torch.Tensor or t.layout != torch.strided for t in leaves.values())
+        if any(odd) or state.step.dim() > 1 or state.step.shape != state.rng.shape:
+            flatten(state)  # refuses what a checkpoint cannot hold, naming it
+        copies = sharded.host_copies(leaves)
+        params = {
+            k.removeprefix("params."): t for k, t in copies.items() if k.startswith("params.")
+        }
+        rest = {k: t for k, t in copies.items() if not k.startswith("params.")}
+    else:
+        tree, params, rest = flatten(state)
+    return Snapshot((tree, params, rest, int(state.step.max())), None, meta_extra)
+
+
+def _write_whole(state_or_flat, path: Path, meta_extra: dict) -> Path:
+    """Write a flattened whole state (``layout.flatten``'s ``(tree, params, rest, step)``) to
+    ``path`` atomically."""
+    tree, params_tensors, state_tensors, step = state_or_flat
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic.recover(path)
-    _check_replaceable(path)
+    check_replaceable(path)
     with atomic.write_dir(path) as tmp:
         files = {
-            PARAMS_FILE: _write_tensors(params_tensors, tmp / PARAMS_FILE),
-            STATE_FILE: _write_tensors(state_tensors, tmp / STATE_FILE),
+            PARAMS_FILE: tensorfile.write(tmp / PARAMS_FILE, params_tensors),
+            STATE_FILE: tensorfile.write(tmp / STATE_FILE, state_tensors),
         }
         meta = {
             "format": FORMAT,
-            "format_version": FORMAT_VERSION,
-            "step": int(state.step.max()),  # a stacked state's: its furthest member's
+            "format_version": WHOLE_VERSION,
+            "step": step,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-            "versions": _versions(),
+            "versions": versions(),
             "files": files,
             "tree": tree,
             "extra": meta_extra,
@@ -140,101 +228,6 @@ def save(state: TrainState, path: str | os.PathLike, *, extra: Mapping | None = 
         meta["meta_sha256"] = meta_checksum(meta)
         (tmp / META_FILE).write_bytes(json.dumps(meta, indent=2, allow_nan=False).encode())
     return path
-
-
-def _write_tensors(tensors: dict[str, torch.Tensor], file: Path) -> dict[str, Any]:
-    safetensors.torch.save_file(tensors, str(file), metadata={"format": "pt"})
-    digest, size = _hash_file(file)
-    return {"sha256": digest, "bytes": size}
-
-
-def _hash_file(file: Path) -> tuple[str, int]:
-    h = hashlib.sha256()
-    size = 0
-    with open(file, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-            size += len(chunk)
-    return h.hexdigest(), size
-
-
-def _check_replaceable(path: Path) -> None:
-    if not path.exists():
-        return
-    if not path.is_dir():
-        raise CheckpointError(
-            f"ft.save: {path} exists and is not a directory; a checkpoint is a directory. "
-            "Choose another path."
-        )
-    foreign = sorted(
-        e.name for e in path.iterdir() if not (e.name == META_FILE or e.suffix == ".safetensors")
-    )
-    if foreign:
-        raise CheckpointError(
-            f"ft.save: refusing to replace {path}: it holds {foreign[:5]}, which ft.save did not "
-            "write. Choose a new path, or delete it yourself."
-        )
-
-
-def _versions() -> dict[str, str]:
-    return {
-        "ftrain": __version__,
-        "torch": torch.__version__,
-        "tensordict": tensordict.__version__,
-        "safetensors": safetensors.__version__,
-    }
-
-
-def _checked_json(extra: Mapping | None) -> dict:
-    if extra is None:
-        return {}
-    if not isinstance(extra, Mapping):
-        raise TypeError(
-            f"ft.save(extra=...): extra must be a dict of JSON values, got {type(extra).__name__}."
-        )
-    _check_json_value(extra, "extra")
-    return json.loads(json.dumps(extra, allow_nan=False))  # a copy; tuples become lists
-
-
-def _check_json_value(value: object, where: str) -> None:
-    if value is None or isinstance(value, (bool, int, str)):
-        return
-    if isinstance(value, float):
-        if math.isfinite(value):
-            return
-        problem = f"is {value}, which JSON cannot hold"
-    elif isinstance(value, Mapping):
-        for k, v in value.items():
-            if not isinstance(k, str):
-                raise TypeError(
-                    f"ft.save(extra=...): {where} has the key {k!r} of type {type(k).__name__}; "
-                    "JSON keys are strings (it would come back as a different key). Use str keys."
-                )
-            _check_json_value(v, f"{where}[{k!r}]")
-        return
-    elif isinstance(value, (list, tuple)):
-        for i, v in enumerate(value):
-            _check_json_value(v, f"{where}[{i}]")
-        return
-    else:
-        problem = f"is a {type(value).__name__}, which JSON cannot hold"
-    raise TypeError(
-        f"ft.save(extra=...): {where} {problem}. extra holds JSON: dicts with str keys, lists, "
-        "str, int, finite float, bool, None. Convert it (tensor.tolist(), "
-        "dataclasses.asdict(config)), or keep tensors in state.extra."
-    )
-
-
-def meta_checksum(meta: Mapping[str, Any]) -> str:
-    """The checksum that ``meta.json`` records of itself under ``"meta_sha256"``.
-
-    It is the sha256 of the canonical JSON (sorted keys, no spaces) of every other key, so it does
-    not depend on how the file is formatted. A tool that edits ``meta.json`` must store
-    ``meta["meta_sha256"] = meta_checksum(meta)``, or loading refuses the file as damaged.
-    """
-    body = {k: v for k, v in meta.items() if k != "meta_sha256"}
-    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
-    return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 # --- load ----------------------------------------------------------------------------------------
@@ -259,13 +252,18 @@ def load(
             new one in, the old version is loaded, with a :class:`CheckpointWarning`.
         like: a state to check the checkpoint against before loading: names, shapes and dtypes
             must match. Every difference is listed in the error (``params.blocks.3.attn.weight:
-            missing in checkpoint``). Tensors are placed on the devices of ``like``'s tensors.
+            missing in checkpoint``). Tensors are placed on the devices of ``like``'s tensors,
+            and laid out as ``like``'s: where ``like`` holds a DTensor (``ft.shard_state``), the
+            result holds one with the same mesh and placements, built from only the part of the
+            saved tensor that this process holds. So a checkpoint saved whole or sharded, by any
+            number of processes under any strategy, loads onto any other (every process calls
+            ``load``; each reads only what it keeps, no collective).
         device: where to put ``params``, ``opt_state`` and ``extra`` (overrides ``like``'s
             devices). ``step`` and ``rng`` always stay on the CPU. Default: the CPU, or ``like``'s
             devices.
     """
     path = _resolve(Path(path))
-    meta = _read_meta(path)
+    meta = read_meta(path)
     if like is not None:
         if not isinstance(like, TrainState):
             raise TypeError(
@@ -273,9 +271,11 @@ def load(
                 f"{type(like).__name__}."
             )
         _check_like(path, meta["tree"], tree_of(like))
+    if "index" in meta or (like is not None and sharded.is_sharded(like)):
+        return reshard.read(path, meta, like, device)
     files = {}
     for name in (PARAMS_FILE, STATE_FILE):
-        _verify_file(path, name, meta["files"][name])
+        verify_file(path, name, meta["files"][name])
         files[name] = safetensors.torch.load_file(str(path / name))
     fields = unflatten(path, meta["tree"], files)
     devices = _devices(like) if like is not None and device is None else {}
@@ -290,23 +290,25 @@ def load_meta(path: str | os.PathLike) -> dict[str, Any]:
     Keys: ``step`` (int), ``created`` (ISO 8601, UTC), ``versions`` (ftrain, torch, tensordict,
     safetensors), ``extra`` (what was passed to ``save(extra=...)``, ``{}`` if nothing), ``files``
     (sha256 and size per tensor file), ``tree`` (TensorDict structure, ``"dtype[shape]"`` per
-    tensor), ``format``, ``format_version``. Tensor files are not read (:func:`load` verifies them).
+    tensor), ``format``, ``format_version`` (1: whole, 2: sharded); a sharded checkpoint also has
+    ``world_size`` and ``index`` (every tensor's pieces: ``ftrain.io.sharded``). Tensor files are
+    not read (:func:`load` verifies them).
     """
-    return _read_meta(_resolve(Path(path)))
+    return read_meta(_resolve(Path(path)))
 
 
 def verify_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     """Check the checkpoint directory ``path`` as :func:`load` does, without building the state.
 
     ``meta.json`` must match its checksum and every tensor file must be present with the size and
-    sha256 that it records. Returns the metadata (as :func:`load_meta`); raises
+    sha256 that it records (every rank's file of a sharded one). Returns the metadata (as :func:`load_meta`); raises
     :class:`CheckpointError` naming the missing or damaged file. ``path`` itself is checked: no
     fallback to a version that an interrupted save left aside.
     """
     path = Path(path)
-    meta = _read_meta(path)
-    for name in (PARAMS_FILE, STATE_FILE):
-        _verify_file(path, name, meta["files"][name])
+    meta = read_meta(path)
+    for name, info in meta["files"].items():
+        verify_file(path, name, info)
     return meta
 
 
@@ -326,41 +328,6 @@ def _resolve(path: Path) -> Path:
         )
         return old[0]
     raise CheckpointError(f"no checkpoint at {path} (the directory does not exist).")
-
-
-def _read_meta(path: Path) -> dict[str, Any]:
-    file = path / META_FILE
-    if not file.is_file():
-        raise CheckpointError(
-            f"{file} is missing: {path} is not an ftrain checkpoint, or an incomplete one."
-        )
-    try:
-        meta = json.loads(file.read_bytes())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{file} is damaged (not valid JSON: {e}).") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise CheckpointError(f"{file} is not ftrain checkpoint metadata (no format {FORMAT!r}).")
-    if meta.get("format_version", FORMAT_VERSION + 1) > FORMAT_VERSION:
-        raise CheckpointError(
-            f"{file} has format_version {meta.get('format_version')!r}; this ftrain reads up to "
-            f"{FORMAT_VERSION}. It was written by a newer ftrain: upgrade to load it."
-        )
-    if meta.get("meta_sha256") != meta_checksum(meta):
-        raise CheckpointError(f"{file} is damaged (checksum mismatch).")
-    return meta
-
-
-def _verify_file(path: Path, name: str, info: dict) -> None:
-    file = path / name
-    if not file.is_file():
-        raise CheckpointError(f"{file} is missing; the checkpoint is incomplete.")
-    size = file.stat().st_size
-    if size != info["bytes"]:
-        raise CheckpointError(
-            f"{file} is damaged (size {size} bytes, meta.json says {info['bytes']})."
-        )
-    if _hash_file(file)[0] != info["sha256"]:
-        raise CheckpointError(f"{file} is damaged (sha256 mismatch).")
 
 
 def _check_like(path: Path, saved: dict, like: dict) -> None:

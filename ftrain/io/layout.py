@@ -141,8 +141,8 @@ def _host(t: torch.Tensor, name: str, storages: set[int]) -> torch.Tensor:
     if type(t) is not torch.Tensor or t.layout != torch.strided:
         raise CheckpointError(
             f"ft.save: {name} is a {type(t).__name__} with layout {t.layout}; only plain dense "
-            "tensors can be saved. For a sharded (DTensor) state, save the full tensors, e.g. "
-            "from x.full_tensor() on every rank, and write from rank 0."
+            "tensors (and DTensors, which are saved sharded) can be saved. Convert it, e.g. "
+            "x.to_dense()."
         )
     t = t.to("cpu").resolve_conj().resolve_neg().contiguous()
     # safetensors refuses two tensors over one storage (views, or one tensor under two names).

@@ -20,9 +20,18 @@ import re
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
 
 from ftrain.io import atomic
-from ftrain.io.checkpoint import CheckpointError, CheckpointWarning, save, verify_checkpoint
+from ftrain.io.checkpoint import (
+    CheckpointError,
+    CheckpointWarning,
+    Snapshot,
+    snapshot,
+    verify_checkpoint,
+)
 from ftrain.state import TrainState
 
 __all__ = ["latest_checkpoint", "list_checkpoints", "save_checkpoint"]
@@ -32,10 +41,11 @@ _RUN_CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 
 def save_checkpoint(
     run_dir: str | os.PathLike,
-    state: TrainState,
+    state: TrainState | Snapshot,
     *,
     keep: int | None = 3,
     extra: Mapping | None = None,
+    group: Any = None,
 ) -> Path:
     """Save ``state`` to ``run_dir/checkpoint-<step>/`` and keep the newest ``keep`` checkpoints.
 
@@ -44,17 +54,23 @@ def save_checkpoint(
     checkpoints beyond the ``keep`` with the highest steps are deleted (each renamed away first, so
     a kill mid-delete leaves no half checkpoint under a checkpoint name); the one just written is
     always kept. ``keep=None`` keeps all. Returns the path written.
+
+    A sharded state (or ``Snapshot`` of one, as ``ft.Saver`` passes) is saved by every process
+    of ``group`` (default: all) together, and rank 0 alone tidies and prunes the run folder.
     """
     if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
         raise ValueError(
             f"ft.save_checkpoint(keep=...): keep must be an int >= 1 or None, got {keep!r}."
         )
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    for name in {lo.target for lo in _run_leftovers(run_dir)}:
-        atomic.recover(run_dir / name)
-    path = save(state, run_dir / f"checkpoint-{int(state.step)}", extra=extra)
-    if keep is not None:
+    snap = state if isinstance(state, Snapshot) else snapshot(state, extra)
+    main = snap.plan is None or dist.get_rank(group) == 0
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        for name in {lo.target for lo in _run_leftovers(run_dir)}:
+            atomic.recover(run_dir / name)
+    path = snap.write(run_dir / f"checkpoint-{snap.step}", group)
+    if main and keep is not None:
         older = [p for p in list_checkpoints(run_dir) if p != path]
         for stale in older[: max(0, len(older) + 1 - keep)]:
             atomic.delete_dir(stale)

@@ -100,22 +100,10 @@ def build_data(
     train_ds = data.TokenDataset(path, cfg.seq_len, seed=cfg.seed, split="train", pack=cfg.pack)
     valid_ds = data.TokenDataset(path, cfg.seq_len, seed=cfg.seed, split="valid", pack=cfg.pack)
     rows = cfg.batch_size * cfg.micro_batches  # per process per optimizer step
-    mine = _Strided(train_ds, rank, world) if world > 1 else train_ds
-    loader = data.loader(mine, rows, seed=cfg.seed, infinite=True, num_workers=cfg.num_workers)
+    # one global sample order for every number of processes: this process takes its stride of it
+    loader = data.loader(train_ds, rows, seed=cfg.seed, infinite=True,
+                         num_workers=cfg.num_workers, rank=rank, world_size=world)  # fmt: skip
     return loader, valid_ds
-
-
-class _Strided:
-    """Every ``world``-th sample starting at ``rank``: one process's share of the data."""
-
-    def __init__(self, ds, rank: int, world: int):
-        self.ds, self.rank, self.world = ds, rank, world
-
-    def __len__(self) -> int:
-        return (len(self.ds) - self.rank + self.world - 1) // self.world
-
-    def __getitem__(self, i: int):
-        return self.ds[i * self.world + self.rank]
 
 
 # -- model and loss ---------------------------------------------------------------------------

@@ -1,0 +1,264 @@
+"""Sharded checkpoints: every process writes only the pieces it holds; one index says where each
+piece of each tensor sits, so that a load can lay the tensors out for any world size and layout.
+
+A sharded checkpoint is a directory::
+
+    checkpoint-1200/
+        rank-00000-of-00002.safetensors   # rank 0's pieces (and the tensors every rank holds whole)
+        rank-00001-of-00002.safetensors   # rank 1's pieces
+        meta.json                         # as a whole checkpoint's (format_version 2), plus "index"
+
+``meta["index"]`` maps each tensor, by its dotted path with its field (``"params.wte.weight"``,
+``"opt_state.mu.wte.weight"``, ``"step"``), to::
+
+    {"dtype": "float32", "shape": [37, 16],          # the global tensor
+     "mesh": [2], "placements": [["shard", 0]],      # one placement per mesh dimension (DTensor's)
+     "pieces": [{"file": "rank-00000-of-00002.safetensors", "key": "params.wte.weight",
+                 "offsets": [0, 0], "shape": [19, 16]}, ...]}
+
+Every piece is a box of the global tensor (its offset and size along every dimension), so a
+layout that splits any dimension over any mesh dimension (tensor parallelism's ``Shard(1)`` on a
+2-D mesh) is described without a new format; ``placements`` only records how it was split.
+A tensor held whole by every process (``step``, ``rng``, ddp's params) is one piece, written by
+rank 0. ``meta.json`` records each file's sha256, and is written last: the directory is committed
+(:func:`ftrain.io.atomic.commit_dir`) by rank 0 once every rank has written its file.
+
+Loading (``ftrain.io.reshard``) reads, for every tensor, only the part of each piece that this
+process needs: the whole tensor for a plain leaf of ``like``, or the rows of a ``Shard`` DTensor
+leaf. A whole checkpoint (format 1) is read the same way, as one piece per tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ftrain.distributed.dtensor import is_dtensor, local
+from ftrain.io import atomic, tensorfile
+from ftrain.io.layout import FIELDS, CheckpointError, tree_of
+from ftrain.io.meta import (
+    FORMAT,
+    META_FILE,
+    check_replaceable,
+    meta_checksum,
+    versions,
+)
+from ftrain.state import TrainState
+from ftrain.tree import SEP
+
+__all__ = ["Plan", "box_of", "host_copies", "is_sharded", "leaves", "plan", "write"]
+
+SHARDED_VERSION = 2
+
+
+def is_sharded(state: TrainState) -> bool:
+    """Whether any tensor of ``state`` is a DTensor (laid out across processes)."""
+    return any(is_dtensor(t) for _, t in leaves(state))
+
+
+def leaves(state: TrainState) -> list[tuple[str, torch.Tensor]]:
+    """``(dotted path with its field, tensor)`` for every tensor of ``state``, in tree order."""
+    out = []
+    for field in FIELDS:
+        value = getattr(state, field)
+        if isinstance(value, torch.Tensor):
+            out.append((field, value))
+            continue
+        for key, t in value.items(include_nested=True, leaves_only=True):
+            key = key if isinstance(key, tuple) else (key,)
+            out.append((SEP.join((field, *key)), t))
+    return out
+
+
+# --- where a piece sits --------------------------------------------------------------------------
+
+
+def box_of(t: torch.Tensor) -> tuple[list[int], list[int], bool]:
+    """``(offsets, sizes, first)``: the box of the global tensor that this process holds of the
+    DTensor ``t`` (split as DTensor splits it: ``torch.chunk`` per ``Shard`` placement, in mesh
+    dimension order), and whether this process is the first holder of it (coordinate 0 on every
+    mesh dimension where it is replicated). A plain tensor is the whole box, first on rank 0."""
+    shape = list(t.shape)
+    if not is_dtensor(t):
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        return [0] * len(shape), shape, rank == 0
+    mesh = t.device_mesh
+    coords = mesh.get_coordinate()
+    offsets, sizes, first = [0] * len(shape), list(shape), True
+    for i, p in enumerate(t.placements):
+        if p.is_shard():
+            d, n = p.dim, mesh.size(i)
+            per = -(-sizes[d] // n)
+            start = min(coords[i] * per, sizes[d])
+            offsets[d] += start
+            sizes[d] = min(per, sizes[d] - start)
+        elif p.is_replicate():
+            first = first and coords[i] == 0
+        else:
+            raise CheckpointError(
+                f"cannot checkpoint a DTensor placed {t.placements}: only Shard(dim) and "
+                "Replicate() placements hold a tensor's values (reduce a Partial one first)."
+            )
+    if list(local(t).shape) != sizes:
+        raise CheckpointError(
+            f"cannot checkpoint a DTensor placed {t.placements}: its local shape "
+            f"{list(local(t).shape)} is not the torch.chunk split {sizes} this format records."
+        )
+    return offsets, sizes, first
+
+
+def _placements(t: torch.Tensor) -> tuple[list[int], list[list]]:
+    if not is_dtensor(t):
+        return [], []
+    out = [["shard", p.dim] if p.is_shard() else ["replicate"] for p in t.placements]
+    return list(t.device_mesh.shape), out
+
+
+# --- save ----------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Plan:
+    """What one process writes of a sharded save: the tree, the global description of every
+    tensor, and this process's pieces (``key -> tensor``, with their boxes)."""
+
+    tree: dict
+    tensors: dict[str, dict]  # key -> {"dtype", "shape", "mesh", "placements"}
+    mine: dict[str, torch.Tensor]  # key -> this process's piece (a CPU tensor)
+    boxes: dict[str, list[list[int]]]  # key -> [offsets, sizes] of that piece
+    step: int
+
+    def host_copy(self) -> Plan:
+        """The same plan over private host copies of the pieces (pinned memory for CUDA ones),
+        so that training may go on changing the state while they are written."""
+        return dataclasses.replace(self, mine=host_copies(self.mine))
+
+
+def host_copies(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Private host copies of ``tensors``: CUDA ones copied asynchronously into pinned memory
+    (then waited for, once), CPU ones cloned."""
+    out = {}
+    for key, t in tensors.items():
+        pin = t.device.type == "cuda"
+        out[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+        out[key].copy_(t.detach(), non_blocking=pin)
+    if any(t.device.type == "cuda" for t in tensors.values()):
+        torch.cuda.synchronize()  # the copies have landed before anyone reads them
+    return out
+
+
+def plan(state: TrainState) -> Plan:
+    """The :class:`Plan` of ``state`` for this process. Its pieces are views of the state's local
+    tensors on the CPU (no copy); tensors on an accelerator are copied to the host."""
+    tree = tree_of(state)  # refuses what a checkpoint cannot hold, naming it
+    tensors, mine, boxes = {}, {}, {}
+    for key, t in leaves(state):
+        mesh, placements = _placements(t)
+        tensors[key] = {
+            "dtype": str(t.dtype).removeprefix("torch."),
+            "shape": list(t.shape),
+            "mesh": mesh,
+            "placements": placements,
+        }
+        offsets, sizes, first = box_of(t)
+        if first:
+            piece = local(t) if is_dtensor(t) else t
+            mine[key] = piece.detach().to("cpu")
+            boxes[key] = [offsets, sizes]
+    return Plan(tree, tensors, mine, boxes, int(state.step.max()))
+
+
+def _file_name(rank: int, world: int) -> str:
+    return f"rank-{rank:05d}-of-{world:05d}.safetensors"
+
+
+def _broadcast(value: Any, group) -> Any:
+    box = [value]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    return box[0]
+
+
+def _error(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+def write(p: Plan, path: Path, extra: dict, group=None) -> Path:
+    """Write a sharded checkpoint of ``p`` to ``path``: a collective over ``group`` (default: all
+    processes), each process writing its own file. Atomic: rank 0 makes the temporary directory,
+    every rank writes and fsyncs its file, rank 0 writes ``meta.json`` once all have written and
+    renames the directory into place. A failure on any rank is raised on every rank, naming it,
+    and leaves ``path`` as it was."""
+    group = group or dist.group.WORLD
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    prepared = None
+    if rank == 0:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic.recover(path)
+            check_replaceable(path)
+            prepared = ("ok", str(atomic.temporary_dir(path)))
+        except Exception as e:  # noqa: BLE001 - every rank raises it below
+            prepared = ("error", _error(e))
+    status, value = _broadcast(prepared, group)
+    if status != "ok":
+        raise CheckpointError(f"ft.save: rank 0 could not prepare {path}: {value}")
+    tmp = Path(value)
+    name = _file_name(rank, world)
+    try:
+        written = ("ok", tensorfile.write(tmp / name, p.mine), p.boxes)
+    except Exception as e:  # noqa: BLE001
+        written = ("error", _error(e), None)
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, written, group=group)
+    committed = None
+    if rank == 0:
+        try:
+            failed = [f"rank {r}: {w[1]}" for r, w in enumerate(gathered) if w[0] != "ok"]
+            if failed:
+                raise CheckpointError(f"ft.save: writing {path} failed on " + "; ".join(failed))
+            meta = _meta(p, extra, {_file_name(r, world): w[1] for r, w in enumerate(gathered)},
+                         [w[2] for w in gathered], world)  # fmt: skip
+            with atomic.write_file(tmp / META_FILE) as f:
+                f.write(json.dumps(meta, indent=1, allow_nan=False).encode())
+            atomic.commit_dir(tmp, path)
+            committed = ("ok", "")
+        except Exception as e:  # noqa: BLE001
+            shutil.rmtree(tmp, ignore_errors=True)
+            committed = ("error", str(e) if isinstance(e, CheckpointError) else _error(e))
+    status, value = _broadcast(committed, group)
+    if status != "ok":
+        raise CheckpointError(value)
+    return path
+
+
+def _meta(p: Plan, extra: dict, files: dict, boxes: list[dict], world: int) -> dict:
+    index = {key: {**info, "pieces": []} for key, info in p.tensors.items()}
+    for r, mine in enumerate(boxes):
+        for key, (offsets, sizes) in mine.items():
+            piece = {"file": _file_name(r, world), "key": key, "offsets": offsets, "shape": sizes}
+            index[key]["pieces"].append(piece)
+    for key, entry in index.items():  # the pieces of every tensor fill it exactly once
+        if sum(math.prod(q["shape"]) for q in entry["pieces"]) != math.prod(entry["shape"]):
+            raise CheckpointError(f"ft.save: the pieces of {key!r} do not cover it once.")
+    meta = {
+        "format": FORMAT,
+        "format_version": SHARDED_VERSION,
+        "step": p.step,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "versions": versions(),
+        "world_size": world,
+        "files": files,
+        "tree": p.tree,
+        "index": index,
+        "extra": extra,
+    }
+    meta["meta_sha256"] = meta_checksum(meta)
+    return meta
