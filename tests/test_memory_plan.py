@@ -90,17 +90,17 @@ def test_a_meta_state_and_params_alone_plan_the_same():
 
 def test_a_users_transform_is_planned_through_its_hooks():
     class KeepACopy(ft.Transform):
-        """Keeps a copy of the gradients in state.extra (a user's transform, gradients hook)."""
+        """Keeps a 4 MB buffer shaped by the gradients in state.extra (gradients hook)."""
 
         def gradients(self, g, state):
             extra = g.extra.clone(recurse=False)
-            extra["copy"] = g.grads.clone()
+            extra["buffer"] = ft.tree.first_leaf(g.grads).new_zeros(10**6)
             return g._replace(extra=extra)
 
     step, state, batch = composed("small", 1, "none", "fp32", "adamw")
     base = ft.memory(step, state, batch)
     kept = ft.memory(KeepACopy()(step), state, batch)
-    assert kept.peak - base.peak == pytest.approx(base.gradients, rel=0.05)
+    assert kept.peak > base.peak + 3 * 10**6 and kept.peak_phase == "update"
     assert abs(kept.peak / peak_bytes(KeepACopy()(step), state, batch) - 1) < 0.10
 
 
