@@ -45,7 +45,9 @@ def composed(size, k, policy, precision, opt_name, rows=8, donate=False):
 _MIXES = list(itertools.product(("fp32", "bf16"), OPTIMIZERS))
 GRID = [
     ("small", k, policy, *_MIXES[i % 6])
-    for i, (k, policy) in enumerate(itertools.product((1, 2, 4, 8), ("none", "selective", "blocks")))
+    for i, (k, policy) in enumerate(
+        itertools.product((1, 2, 4, 8), ("none", "selective", "blocks"))
+    )
 ] + [
     ("larger", (1, 2, 4, 8, 2, 1)[i], ("none", "selective", "blocks")[i % 3], *mix)
     for i, mix in enumerate(_MIXES)
@@ -109,7 +111,10 @@ def test_the_step_and_state_are_left_alone():
     before = state.clone()
     ft.memory(step, state, batch)
     assert int(state.step) == 0
-    assert all(torch.equal(a, b) for a, b in zip(ft.tree.leaves(state.params), ft.tree.leaves(before.params)))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(ft.tree.leaves(state.params), ft.tree.leaves(before.params))
+    )
     with pytest.raises(TypeError, match="expected an ft.Step"):
         ft.memory(lambda s, b: (s, {}), state, batch)
 

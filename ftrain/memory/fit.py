@@ -91,7 +91,9 @@ def fit(
                     speed = BF16_SPEEDUP.get(device, 1.0) if precision != "fp32" else 1.0
                     time = report.flops / speed * (1 + OVERHEAD * (k - 1))
                     fits = report.peak <= budget
-                    planned.append((Candidate(k, policy, precision, strategy, report.peak, time, fits), report))
+                    planned.append(
+                        (Candidate(k, policy, precision, strategy, report.peak, time, fits), report)
+                    )
                     if fits:
                         break  # more micro-batches than the fewest that fit only cost time
     fastest = min(c.time for c, _ in planned) or 1.0

@@ -25,6 +25,8 @@ import torch
 from tensordict import TensorDictBase
 
 from ftrain import tree
+from ftrain.blocks import find_blocks
+from ftrain.memory.layout import ShardLayout, rows
 from ftrain.memory.report import MemoryReport
 from ftrain.memory.tracker import LiveBytes, fake_mode, storage_of, tensor_leaves
 from ftrain.state import TrainState
@@ -47,6 +49,8 @@ class _Trace:
         self.activations: list[int] = []
         self.gradients = 0
         self.before_update = 0  # peak of forward and backward
+        self.blocks: list[int] = []  # bytes of each block's params (fsdp gathers one at a time)
+        self.outside = 0  # bytes of the params outside the blocks (gathered for the whole step)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -54,8 +58,21 @@ class _Probe(Transform):
     """Marks the phases of a planned call in its :class:`_Trace` (outermost, planning only)."""
 
     trace: _Trace
+    blocks: bool = False  # record the blocks' sizes (the rewrite hook) for fsdp
 
     name = "memory_probe"
+    rewrite_order = -2
+
+    def uses(self, hook: str) -> bool:
+        if hook == "rewrite":
+            return self.blocks
+        return super().uses(hook)
+
+    def rewrite(self, module):
+        sizes = [_module_bytes(b) for b in find_blocks(module)]
+        self.trace.blocks = sizes
+        self.trace.outside = _module_bytes(module) - sum(sizes)
+        return module
 
     @contextlib.contextmanager
     def around_forward(self, params) -> Iterator[None]:
@@ -118,11 +135,15 @@ def memory(step: Step, state: TrainState | TensorDictBase, batch: Any) -> Memory
     """
     plain, shard = planned_step(step)
     mode = fake_mode()
-    state = _fake_state(state, plain, mode)
+    layout = None
+    if shard is not None and shard.strategy != "fsdp":
+        layout = ShardLayout(shard.strategy, shard.mesh.size(), shard.mesh.get_local_rank())
+        plain = layout(plain)
+    state = _fake_state(state, plain, mode, layout)
     batch = _fake_batch(batch, mode)
     live = LiveBytes()
     trace = _Trace(live)
-    probed = _Probe(trace)(plain)
+    probed = _Probe(trace, blocks=shard is not None and shard.strategy == "fsdp")(plain)
     live.hold((tree.leaves(state.params), tree.leaves(state.opt_state), tree.leaves(state.extra)))
     live.hold(batch)
     with mode, live:
@@ -146,51 +167,41 @@ def memory(step: Step, state: TrainState | TensorDictBase, batch: Any) -> Memory
     )
     if shard is None:
         return report
-    return _per_rank(report, trace, shard)
+    if layout is not None:
+        return dataclasses.replace(report, world_size=layout.world)
+    return _fsdp(report, trace, shard.mesh.size())
 
 
-def _per_rank(report: MemoryReport, trace: _Trace, shard: Shard) -> MemoryReport:
-    """The report of the unsharded step turned into one rank's bytes under ``shard``."""
-    world = shard.mesh.size()
-    strategy = shard.strategy
+def _fsdp(report: MemoryReport, trace: _Trace, world: int) -> MemoryReport:
+    """The unsharded step's measured phases as one rank's bytes under fsdp: params, gradients and
+    optimizer state 1/W; while a block runs, its params gathered whole and, in backward, their
+    whole gradients until reduce-scattered; the params outside the blocks gathered throughout.
+    Tensors backward needs from gathered params are saved as references to the shards, so the
+    activations are those measured (autocast's low-precision casts included)."""
 
     def part(n: int) -> int:
         return math.ceil(n / world)
 
-    params, grads, opt = report.params, report.gradients, report.optimizer
-    acts, update = report.activations, report.update
-    fwd_bwd = trace.before_update
-    if strategy == "ddp":  # a flat copy of the gradients for the all-reduce
-        fwd_bwd = max(fwd_bwd, params + opt + report.batch + 2 * grads)
-        peak = max(fwd_bwd, params + opt + grads + report.batch + update)
-        new = dict(gradients=grads, optimizer=opt)
-    elif strategy in ("zero1", "zero2"):
-        # optimizer state 1/W; the update runs on this rank's rows, then whole updates are gathered
-        shard_grads = grads if strategy == "zero1" else part(grads)
-        fwd_bwd = fwd_bwd - opt + part(opt) + (grads if strategy == "zero1" else part(grads))
-        upd = part(update - params) + params + params  # rows' math, gathered updates, new params
-        peak = max(fwd_bwd, params + part(opt) + shard_grads + report.batch + upd)
-        new = dict(gradients=shard_grads, optimizer=part(opt))
-        update = upd
-    else:  # fsdp: everything 1/W, a block's params gathered while it runs
-        biggest_block = max(params // max(_blocks(report), 1), 1)
-        fwd_bwd = fwd_bwd - params - opt - grads + part(params + opt + grads) + 2 * biggest_block
-        update = part(update)
-        peak = max(fwd_bwd, part(params + opt + grads) + report.batch + update)
-        new = dict(params=part(params), gradients=part(grads), optimizer=part(opt))
+    whole = report.params + report.gradients + report.optimizer
+    block = max(trace.blocks, default=0)
+    gathered = trace.outside + 2 * block
+    fwd_bwd = trace.before_update - whole + part(whole) + gathered
+    update = part(report.update)
+    after = part(whole) + report.batch + update
     return dataclasses.replace(
         report,
-        **new,
+        params=part(report.params),
+        gradients=part(report.gradients),
+        optimizer=part(report.optimizer),
         update=update,
-        peak=peak,
-        peak_phase="forward/backward" if fwd_bwd >= peak else "update",
+        peak=max(fwd_bwd, after),
+        peak_phase="forward/backward" if fwd_bwd >= after else "update",
         world_size=world,
-        transforms=report.transforms,
     )
 
 
-def _blocks(report: MemoryReport) -> int:
-    return 1
+def _module_bytes(module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
 def _bytes(tensors: list[torch.Tensor]) -> int:
@@ -219,22 +230,37 @@ def _fake_tree(td: TensorDictBase, mode) -> TensorDictBase:
     return tdef.unflatten([fake_like(t, mode) for t in values])
 
 
-def _fake_state(state: Any, step: Step, mode) -> TrainState:
+def _fake_state(state: Any, step: Step, mode, layout: ShardLayout | None) -> TrainState:
+    """``state`` in fake tensors, params whole. The optimizer state as given, or under a ZeRO
+    ``layout`` the optimizer's ``init`` of this rank's rows (its shapes, as ft.shard_state makes
+    them); from params alone, the optimizer's ``init`` (the counters it makes stay real)."""
     if isinstance(state, TensorDictBase) and not isinstance(state, TrainState):
-        # the optimizer's init on fake params; the counters it makes stay real
-        return TrainState.create(_fake_tree(state, mode), step.optimizer)
-    if not isinstance(state, TrainState):
+        state = TrainState.create(_fake_tree(state, mode), step.optimizer)
+    elif isinstance(state, TrainState):
+        state = state.replace(
+            params=_fake_tree(state.params, mode),
+            opt_state=_fake_tree(state.opt_state, mode),
+            extra=_fake_tree(state.extra, mode),
+            step=fake_like(state.step, mode),
+            rng=fake_like(state.rng, mode),
+        )
+    else:
         raise TypeError(
             f"ft.memory(step, state, ...): expected an ft.TrainState or the params (a "
             f"TensorDict), got {type(state).__name__}."
         )
-    return state.replace(
-        params=_fake_tree(state.params, mode),
-        opt_state=_fake_tree(state.opt_state, mode),
-        extra=_fake_tree(state.extra, mode),
-        step=fake_like(state.step, mode),
-        rng=fake_like(state.rng, mode),
-    )
+    if layout is None or layout.strategy == "ddp":
+        return state
+    mine = [local_rows(t, layout) for t in tree.leaves(state.params)]
+    return state.replace(opt_state=step.optimizer.init(tree.unflatten(state.params, mine)))
+
+
+def local_rows(t: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
+    """This rank's ``Shard(0)`` rows of ``t`` under ``layout`` (a view)."""
+    if t.dim() == 0:
+        return t
+    start, length = rows(t.shape[0], layout.world, layout.rank)
+    return t.narrow(0, start, length)
 
 
 def _fake_batch(batch: Any, mode) -> Any:
