@@ -152,3 +152,52 @@ def test_a_7b_plan_takes_under_a_minute_and_2_gib():
     # the hand calculation: fp32 params + grads + AdamW's two moments = 16 bytes a parameter
     assert got["state"] == pytest.approx(16 * got["params"], rel=1e-4)
     assert got["peak"] > got["state"]
+
+
+# -- under ft.shard, 2 gloo ranks: one run_distributed call for every strategy ------------------
+SHARDED = [
+    (strategy, k, policy, precision, opt_name)
+    for strategy in ("ddp", "zero1", "zero2", "fsdp")
+    for k, policy, precision, opt_name in [
+        (1, "none", "fp32", "adamw"),
+        (2, "blocks", "bf16", "adamw"),
+        (4, "selective", "fp32", "adafactor"),
+    ]
+]
+
+
+def _on_ranks(configs):
+    """Each config's predicted and measured peak on this rank (runs in each gloo process)."""
+    out = []
+    for strategy, k, policy, precision, opt_name in configs:
+        step, state, _ = composed("larger", k, policy, precision, opt_name)
+        step = ft.shard(step, strategy)
+        state = ft.shard_state(state, strategy)
+        batch = lm_batch(4, seed=torch.distributed.get_rank(), length=32)  # this rank's rows
+        out.append((ft.memory(step, state, batch).peak, peak_bytes(step, state, batch)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def sharded_peaks():
+    from ftrain.testing import run_distributed
+
+    ranks = run_distributed(_on_ranks, 2, SHARDED)
+    return {c: [r[i] for r in ranks] for i, c in enumerate(SHARDED)}
+
+
+@pytest.mark.parametrize("config", [c for c in SHARDED if c[0] != "fsdp"], ids=str)
+def test_sharded_peak_within_10_percent_on_each_rank(sharded_peaks, config):
+    for predicted, measured in sharded_peaks[config]:
+        assert abs(predicted / measured - 1) < 0.10, (config, predicted, measured)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="fsdp is modeled from the unsharded phases and block sizes, not run: up to ~40% off "
+    "(the per-block gathers inside backward and recompute are not replayed yet)",
+)
+def test_fsdp_peak_within_10_percent(sharded_peaks):
+    for config in [c for c in SHARDED if c[0] == "fsdp"]:
+        for predicted, measured in sharded_peaks[config]:
+            assert abs(predicted / measured - 1) < 0.10, (config, predicted, measured)

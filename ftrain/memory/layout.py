@@ -9,7 +9,8 @@ rank's side of each collective allocates and nothing is sent. ZeRO lays rows out
 ddp        ``reduce``: one flat copy of the gradients (the all-reduce buffer; its views are the
            reduced gradients).
 zero1      as ddp; ``optimizer``: the update runs on this rank's rows of the gradients, params
-           and optimizer state, and the updates are gathered into one flat whole buffer.
+           and optimizer state; the updates' rows are packed flat and gathered into one flat whole buffer, then
+           copied out leaf by leaf.
 zero2      ``reduce``: a flat whole copy (the reduce-scatter's input) and this rank's rows out;
            ``optimizer`` as zero1.
 =========  ====================================================================================
@@ -112,7 +113,12 @@ class ShardLayout(Transform):
                 p_td = tree.unflatten(params, [_narrow(x, world, rank) for x in p])
             kw = {"inplace": inplace} if takes_inplace else {}
             new_u, new_state = optimizer.update(tree.unflatten(updates, u_rows), state, p_td, **kw)
-            gathered = _flat_views(tree.leaves(new_u), whole)  # the all-gather's output
+            # the all-gather fills one flat buffer, then each leaf is put together (a copy)
+            mine = tree.leaves(new_u)
+            sent = _flat_views(mine, [tuple(x.shape) for x in mine])  # this rank's piece, flat
+            flat = _flat_views(mine, whole)
+            gathered = [x.clone() for x in flat]
+            del flat, sent
             return tree.unflatten(updates, gathered), new_state
 
         return GradientTransformation(optimizer.init, update)
