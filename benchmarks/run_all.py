@@ -17,7 +17,7 @@ from pathlib import Path
 from _common import RESULTS, machine
 
 HERE = Path(__file__).resolve().parent
-SCRIPTS = ["step_overhead", "transforms", "data", "optimizers", "mfu", "shard", "vmap"]
+SCRIPTS = ["step_overhead", "transforms", "data", "optimizers", "mfu", "shard", "vmap", "memory"]
 
 
 def main(names: list[str]) -> int:
