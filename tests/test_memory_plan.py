@@ -163,7 +163,7 @@ SHARDED = [
         (2, "blocks", "bf16", "adamw"),
         (4, "selective", "fp32", "adafactor"),
     ]
-]
+] + [("fsdp", 1, "blocks", "fp32", "adamw")]
 
 
 def _on_ranks(configs):
@@ -194,8 +194,9 @@ def test_sharded_peak_within_10_percent_on_each_rank(sharded_peaks, config):
 
 @pytest.mark.xfail(
     strict=True,
-    reason="fsdp is modeled from the unsharded phases and block sizes, not run: up to ~40% off "
-    "(the per-block gathers inside backward and recompute are not replayed yet)",
+    reason="fsdp is modeled from the unsharded phases and block sizes, not run: within 10% for "
+    "3 of these 4 compositions, 33% under for k=1 blocks fp32 (the per-block gathers and "
+    "reduce-scatters in backward are not replayed)",
 )
 def test_fsdp_peak_within_10_percent(sharded_peaks):
     for config in [c for c in SHARDED if c[0] == "fsdp"]:
