@@ -26,6 +26,7 @@ from ftrain.io import (
     save_checkpoint,
 )
 from ftrain.losses import Loss
+from ftrain.memory import FitReport, MemoryReport, fit, memory
 from ftrain.per_example import per_example_grads
 from ftrain.stack import stack, unstack
 from ftrain.state import TrainState, buffers_of, param_count, params_of, state_dict_of
@@ -87,4 +88,8 @@ __all__ = [
     "stack",
     "unstack",
     "vmap",
+    "memory",
+    "fit",
+    "MemoryReport",
+    "FitReport",
 ]

@@ -71,6 +71,12 @@ class TrainConfig:
     precision: str = _f("fp32", "forward precision (params stay fp32)", choices=PRECISIONS)
     compile: bool = _f(False, "torch.compile the whole step (slow to start on a CPU)")
     shard: str = _f("none", "data parallelism under torchrun", choices=SHARD_STRATEGIES)
+    memory_budget: str | None = _f(
+        None,
+        "bytes per process (e.g. 4GiB; auto = free CUDA memory): ft.fit picks micro-batches, "
+        "checkpointing, precision (and --shard) to fit; rows per step stay",
+        metavar="SIZE",
+    )
     # -- optimizer ------------------------------------------------------------------------------
     optimizer: str = _f("adamw", "optimizer (ftrain.optim alias)")
     lr: float = _f(3e-3, "peak learning rate (with --resume: the new peak from the next step)")
@@ -155,6 +161,10 @@ class TrainConfig:
                 raise ValueError(
                     f"--{flag_name(name)} must be one of {legal}, got {getattr(self, name)!r}"
                 )
+        if self.memory_budget not in (None, "auto"):
+            from ftrain.memory import parse_bytes
+
+            parse_bytes(self.memory_budget, "--memory-budget")
         if self.compile and self.shard == "fsdp":
             raise ValueError(
                 "--compile cannot be combined with --shard fsdp (torch.compile cannot trace fsdp's "

@@ -51,6 +51,12 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     """
     cfg, rank, world = _launch(cfg)
     main = rank == 0
+    if cfg.memory_budget is not None:  # ft.fit chooses the composition before anything is built
+        from ftrain.memory.recipe import fit_config
+
+        cfg, fitted = fit_config(cfg)
+        if main:
+            print(fitted, flush=True)
     out = Path(_from_rank0(str(rundir.prepare_out(cfg)) if main else None, world))
     recipe = for_config(cfg).build(cfg, rank=rank, world=world, quiet=not main)
     run = _Run(cfg, rank, world, out, recipe)

@@ -48,6 +48,7 @@ __all__ = [
     "saved_bytes",
     "track_allocations",
     "AllocationPeak",
+    "peak_bytes",
     "max_rel_error",
     "run_distributed",
     "DistributedError",
@@ -374,3 +375,44 @@ def track_allocations() -> Iterator[AllocationPeak]:
     recorder = AllocationPeak()
     with recorder:
         yield recorder
+
+
+# -- peak memory of a step --------------------------------------------------------------------
+
+
+def peak_bytes(step: Step, state: TrainState, batch: Any) -> int:
+    """The most bytes alive at once while ``step(state, batch)`` runs for real, eagerly.
+
+    Counted by :class:`ftrain.memory.tracker.LiveBytes`: the storages of ``state`` and ``batch``
+    (a DTensor: its local shard) from the start, plus every storage the step's ops allocate, from
+    its allocation until it is freed, at its allocated size (no allocator rounding or caching:
+    compare with ``torch.cuda.max_memory_allocated`` minus what was allocated before, which
+    rounds each block up to 512 bytes). This is what ``ft.memory(step, state, batch).peak``
+    predicts. ``ft.compile`` is left out (the step runs eagerly); ``state`` is not modified (a
+    donating step gets a copy, counted in its place).
+    """
+    from ftrain.memory.plan import planned_step
+    from ftrain.memory.tracker import LiveBytes
+
+    if not isinstance(state, TrainState):
+        raise TypeError(
+            f"peak_bytes(step, state, ...): expected an ft.TrainState, got {type(state).__name__}."
+        )
+    planned_step(step)  # checks the step
+    eager = Step(
+        step.loss_fn,
+        step.optimizer,
+        tuple(t for t in step.transforms if not isinstance(t, Compile)),
+        step.donate,
+    )
+    if step.donate:
+        state = state.clone()
+    live = LiveBytes()
+    live.hold((tree.leaves(state.params), tree.leaves(state.opt_state), tree.leaves(state.extra)))
+    live.hold(batch)
+    with live:
+        out = eager(state, batch)
+    del out
+    gc.collect()
+    return live.peak
+
