@@ -415,4 +415,3 @@ def peak_bytes(step: Step, state: TrainState, batch: Any) -> int:
     del out
     gc.collect()
     return live.peak
-
