@@ -34,6 +34,8 @@ from ftrain.transforms import (
     compile,
     dp_sgd,
     ema,
+    lora,
+    merge_lora,
     shard,
     vmap,
     wrap,
@@ -81,4 +83,6 @@ __all__ = [
     "stack",
     "unstack",
     "vmap",
+    "lora",
+    "merge_lora",
 ]
