@@ -24,6 +24,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 CHECKPOINT_POLICIES = ("none", "blocks", "selective")
 SCHEDULES = ("cosine", "constant", "linear", "wsd", "inverse_sqrt")
 SHARD_STRATEGIES = ("none", "ddp", "zero1", "zero2", "fsdp")
+SINK_NAMES = ("jsonl", "tensorboard")  # ftrain.sinks.SINKS
 
 
 def _f(default, help: str, **kw):
@@ -81,6 +82,9 @@ class TrainConfig:
     )
     num_workers: int = _f(0, "loader worker threads")
     # -- logging, evaluation, checkpoints --------------------------------------------------------
+    log: str = _f(
+        "jsonl", "metrics sink besides metrics.jsonl: tensorboard event files", choices=SINK_NAMES
+    )
     log_every: int = _f(10, "steps between metrics.jsonl lines (each is one host sync)")
     eval_every: int = _f(100, "steps between validation losses (0 = off)")
     eval_batches: int = _f(8, "validation batches per evaluation")
@@ -135,6 +139,7 @@ class TrainConfig:
             ("checkpoint_policy", CHECKPOINT_POLICIES),
             ("lr_schedule", SCHEDULES),
             ("shard", SHARD_STRATEGIES),
+            ("log", SINK_NAMES),
         ):
             if getattr(self, name) not in legal:
                 raise ValueError(

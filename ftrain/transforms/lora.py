@@ -64,7 +64,9 @@ class Lora(Transform):
         if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
             raise ValueError(f"ft.lora(rank={self.rank!r}): rank must be an int >= 1 (e.g. 8).")
         if not (isinstance(self.alpha, (int, float)) and self.alpha > 0):
-            raise ValueError(f"ft.lora(alpha={self.alpha!r}): alpha must be a number > 0 (e.g. 16).")
+            raise ValueError(
+                f"ft.lora(alpha={self.alpha!r}): alpha must be a number > 0 (e.g. 16)."
+            )
 
     @property
     def scaling(self) -> float:
