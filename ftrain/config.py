@@ -66,6 +66,14 @@ class TrainConfig:
     precision: str = _f("fp32", "forward precision (params stay fp32)", choices=PRECISIONS)
     compile: bool = _f(False, "torch.compile the whole step (slow to start on a CPU)")
     shard: str = _f("none", "data parallelism under torchrun", choices=SHARD_STRATEGIES)
+    # -- LoRA (ft.lora): train low-rank adapters, the model's own params frozen ---------------------
+    lora_rank: int = _f(0, "LoRA adapters of this rank on --lora-targets (0 = train every param)")
+    lora_alpha: float = _f(16.0, "LoRA scale numerator: the update is alpha / rank * B @ A")
+    lora_targets: str = _f(
+        "all-linear",
+        "comma-separated module-name patterns of the layers LoRA adapts (e.g. attn.qkv,attn.proj)",
+        metavar="NAMES",
+    )
     # -- optimizer ------------------------------------------------------------------------------
     optimizer: str = _f("adamw", "optimizer (ftrain.optim alias)")
     lr: float = _f(3e-3, "peak learning rate (with --resume: the new peak from the next step)")
@@ -126,6 +134,8 @@ class TrainConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"--dropout must be in [0, 1), got {self.dropout}")
+        if self.lora_rank < 0 or self.lora_alpha <= 0:
+            raise ValueError("--lora-rank must be >= 0 (0 = off) and --lora-alpha > 0")
         if self.lr <= 0:
             raise ValueError(f"--lr must be > 0, got {self.lr}")
         if self.weight_decay < 0 or self.clip_grad < 0:

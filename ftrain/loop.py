@@ -183,7 +183,7 @@ def _check_world_size(meta: dict, world: int) -> None:
 # Settings that fix the model, the data or the random stream: a run cannot continue exactly
 # with another value. The others (lr, max_steps, logging, ...) may change on --resume.
 RESUME_FIXED = ("seed", "seq_len", "d_model", "n_layer", "n_head", "bias", "n_experts", "top_k",
-                "batch_size", "data_dir")  # fmt: skip
+                "batch_size", "data_dir", "lora_rank", "lora_alpha", "lora_targets")  # fmt: skip
 _NOT_COMPARED = ("out", "resume", "config", "progress")
 
 
@@ -307,7 +307,7 @@ class _Report:
 def _eval_params(run: _Run, state: ft.TrainState):
     """The whole params to evaluate and sample with (``gpt.eval_params``). Every process calls
     it: the params are gathered, and the optimizer state too when the eval params need it."""
-    if run.cfg.optimizer in gpt.SCHEDULE_FREE:
+    if run.cfg.optimizer in gpt.SCHEDULE_FREE or run.cfg.lora_rank:  # LoRA: merged
         return gpt.eval_params(run.cfg, unshard_state(state))
     return unshard(state.params)
 

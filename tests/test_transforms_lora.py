@@ -203,3 +203,41 @@ def test_under_every_shard_strategy(two_ranks):
             for k in want:
                 err = (got[k] - want[k]).abs().max() / want[k].abs().max()
                 assert err <= 1e-5, (strategy, k, float(err))
+
+
+# -- ftrain train --lora-rank ------------------------------------------------------------------------
+
+
+def _final(path):
+    return ft.load(ft.latest_checkpoint(path)).to_tensordict().flatten_keys(".")
+
+
+def test_a_lora_run_resumes_bit_for_bit(tmp_path, tiny_run):
+    """8 steps == 4 steps + --resume to 8 (adapters, optimizer state, frozen base, data position);
+    the checkpoint's params are the adapters only, its optimizer state theirs."""
+    from ftrain.cli import main
+
+    common = [*tiny_run, "--lora-rank", "2", "--lora-alpha", "4", "--lora-targets",
+              "attn.qkv,mlp.fc", "--warmup", "2", "--save-every", "4"]  # fmt: skip
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert main(["train", *common, "--max-steps", "8", "--out", str(a)]) == 0
+    assert main(["train", *common, "--max-steps", "4", "--decay-steps", "8", "--out", str(b)]) == 0
+    assert main(["train", *common, "--max-steps", "8", "--out", str(b), "--resume"]) == 0
+    ta, tb = _final(a), _final(b)
+    assert sorted(ta.keys()) == sorted(tb.keys())
+    for k in ta.keys():
+        assert torch.equal(ta[k], tb[k]), k
+    params = [k for k in ta.keys() if k.startswith("params.")]
+    assert params and all(".lora_" in k for k in params)
+    assert not [k for k in ta.keys() if k.startswith("opt_state.") and k.endswith("weight")]
+    assert "extra.lora.base.wte.weight" in ta.keys()
+    # the frozen base is the model the run was initialized with
+    assert ta["extra.lora.base.wte.weight"].std() == pytest.approx(0.02, rel=0.1)
+
+
+def test_a_lora_target_that_matches_nothing_is_a_usage_error(tmp_path, tiny_run):
+    from ftrain.cli import main
+
+    with pytest.raises(SystemExit, match=r"--lora-targets attn\.q: .*selects no linear layer"):
+        main(["train", *tiny_run, "--lora-rank", "2", "--lora-targets", "attn.q",
+              "--out", str(tmp_path / "r")])  # fmt: skip
