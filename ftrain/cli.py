@@ -1,8 +1,9 @@
-"""The ``ftrain`` command: ``ftrain train`` and ``ftrain sample``.
+"""The ``ftrain`` command: ``ftrain train``, ``ftrain sample`` and ``ftrain export``.
 
     ftrain train --help                           # every setting of ftrain.config.TrainConfig
     ftrain train --out runs/a                     # ftrain.loop.train with the built-in recipe
     ftrain sample --run runs/a --prompt "def "    # ftrain.recipes.gpt.sample
+    ftrain export --run runs/a --out hf/a         # ftrain.export.export_run: a Hugging Face dir
 
 Bad flags get argparse's usage message and exit code 2, never a traceback; a damaged checkpoint
 gets its message and exit code 1; a run stopped by Ctrl-C (its checkpoint saved) exits with 130.
@@ -30,7 +31,7 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     p = argparse.ArgumentParser(
         prog="ftrain", description="Functional training for PyTorch: the main job and tools."
     )
-    sub = p.add_subparsers(dest="command", required=True, metavar="{train,sample}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{train,sample,export}")
     t = sub.add_parser(
         "train",
         help="train a byte-level GPT on the Python standard library",
@@ -45,6 +46,12 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     s.add_argument("--temperature", type=float, default=0.8, metavar="T")
     s.add_argument("--top-k", type=int, default=50, metavar="K", help="0 = no top-k filter")
     s.add_argument("--seed", type=int, default=0)
+    e = sub.add_parser(
+        "export",
+        help="write a run's model as a Hugging Face directory (config, safetensors, tokenizer)",
+    )
+    e.add_argument("--run", required=True, metavar="DIR", help="run directory or checkpoint")
+    e.add_argument("--out", required=True, metavar="DIR", help="the directory to write")
     return p, t
 
 
@@ -83,6 +90,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ftrain sample: {e}", file=sys.stderr)
             return 1
         print(text)
+        return 0
+    if ns.command == "export":
+        from ftrain.export import export_run
+
+        try:
+            out = export_run(ns.run, ns.out)
+        except ft.CheckpointError as e:
+            print(f"ftrain export: {e}", file=sys.stderr)
+            return 1
+        print(f"ftrain export: wrote {out} (AutoModelForCausalLM.from_pretrained({str(out)!r}))")
         return 0
     return 2  # pragma: no cover
 
