@@ -18,9 +18,7 @@ event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.ev
 def read_events(log_dir) -> dict[str, list[tuple[int, float]]]:
     acc = event_accumulator.EventAccumulator(str(log_dir))
     acc.Reload()
-    return {
-        tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]
-    }
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
 def test_tensorboard_sink_writes_what_the_reader_reads(tmp_path):

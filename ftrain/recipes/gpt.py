@@ -41,6 +41,7 @@ __all__ = [
     "build_model",
     "build_optimizer",
     "build_schedule",
+    "build_state",
     "build_step",
     "data_dir",
     "eval_params",
@@ -67,11 +68,7 @@ def build(cfg: TrainConfig, *, rank: int = 0, world: int = 1, quiet: bool = Fals
     loader, valid = build_data(cfg, rank=rank, world=world, quiet=quiet)
     model = build_model(cfg)
     opt = build_optimizer(cfg)
-    lora = build_lora(cfg, model)
-    if lora is not None:  # the adapters are the params; the model's own, frozen, in state.extra
-        state = lora.init_state(ft.params_of(model), opt, seed=cfg.seed)
-    else:
-        state = ft.TrainState.create(ft.params_of(model), opt, seed=cfg.seed)
+    state = build_state(cfg, model, opt)
     step = build_step(cfg, model, opt)
     return Recipe(model, step, step.init_extra(state), loader, valid)
 
@@ -168,6 +165,17 @@ def build_lora(cfg: TrainConfig, model: torch.nn.Module) -> Lora | None:
         return ft.lora(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=targets)
     except ValueError as e:
         raise SystemExit(f"ftrain train: --lora-targets {cfg.lora_targets}: {e}") from None
+
+
+def build_state(
+    cfg: TrainConfig, model: torch.nn.Module, opt: optim.GradientTransformation
+) -> ft.TrainState:
+    """The state at step 0: ``model``'s params and ``opt``'s state, or with ``--lora-rank`` the
+    adapters as the params (the model's own frozen in ``state.extra["lora"]``)."""
+    lora = build_lora(cfg, model)
+    if lora is not None:
+        return lora.init_state(ft.params_of(model), opt, seed=cfg.seed)
+    return ft.TrainState.create(ft.params_of(model), opt, seed=cfg.seed)
 
 
 # -- optimizer --------------------------------------------------------------------------------
