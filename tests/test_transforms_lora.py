@@ -10,7 +10,7 @@ import torch
 
 import ftrain as ft
 from ftrain import tree
-from ftrain.testing import assert_steps_close
+from ftrain.testing import assert_steps_close, saved_activation_bytes
 
 from _tiny import lm_batch, lm_loss, tiny_gpt
 
@@ -164,6 +164,15 @@ def test_composes_with_accumulate_checkpoint_autocast_and_compile():
     start = state.replace(opt_state=sgd.init(state.params))
     assert_steps_close(bf16, fp32, start, batch, steps=1, rtol=2e-2)
     assert_steps_close(ft.compile(plain), plain, state, batch, steps=2, rtol=1e-5)
+    # activation checkpointing still saves less for backward (the merged weights are saved alike)
+    blocks = lora(ft.checkpoint(ft.train_step(lm_loss(model), opt)))
+    assert saved_activation_bytes(blocks, state, batch) < saved_activation_bytes(
+        plain, state, batch
+    )
+    with pytest.raises(
+        TypeError, match=r"ft\.lora make the loss function's params .* pass the state"
+    ):
+        plain.forward(state.params, batch)
 
 
 def test_errors_name_the_argument_and_the_fix():
@@ -233,6 +242,17 @@ def test_a_lora_run_resumes_bit_for_bit(tmp_path, tiny_run):
     assert "extra.lora.base.wte.weight" in ta.keys()
     # the frozen base is the model the run was initialized with
     assert ta["extra.lora.base.wte.weight"].std() == pytest.approx(0.02, rel=0.1)
+
+
+def test_the_lora_settings_are_config_file_keys(tmp_path):
+    from ftrain.config import TrainConfig, load_toml
+
+    path = tmp_path / "lora.toml"
+    path.write_text('lora_rank = 4\nlora-alpha = 8\nlora_targets = "attn.qkv,mlp.fc"\n')
+    cfg = TrainConfig(**load_toml(path))
+    assert (cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets) == (4, 8.0, "attn.qkv,mlp.fc")
+    with pytest.raises(ValueError, match="--lora-rank must be >= 0"):
+        TrainConfig(lora_rank=-1).validate()
 
 
 def test_a_lora_target_that_matches_nothing_is_a_usage_error(tmp_path, tiny_run):

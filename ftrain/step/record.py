@@ -146,9 +146,21 @@ class Step:
             pieces = [q for p in pieces for q in t.split(p)]
         return pieces
 
-    def forward(self, params: TensorDict, batch: Any) -> Loss:
+    def forward(self, params: TensorDict, batch: Any, state: TrainState | None = None) -> Loss:
         """The loss of one piece: ``loss_fn(params, batch)`` under the ``around_forward`` contexts,
-        with the model rewritten as the transforms say, normalized into an ``ft.Loss``."""
+        with the model rewritten as the transforms say, normalized into an ``ft.Loss``. The
+        params are the step's own (``state.params`` or leaf copies of them), given to the
+        ``loss_params`` hooks with ``state``, which a step with such hooks (``ft.lora``) needs."""
+        if self._hooks.loss_params:
+            if state is None:
+                names = ", ".join(f"ft.{t.name}" for t in self._hooks.loss_params)
+                raise TypeError(
+                    f"Step.forward(params, batch, state): {names} make the loss function's "
+                    "params from the state; pass the state."
+                )
+            return _with_loss_params(self._forward, self._hooks.loss_params, state)(params, batch)[
+                0
+            ]
         return self._forward(params, batch)[0]
 
     def _forward(self, params: TensorDict, batch: Any, pieces: int = 0) -> tuple[Loss, bool]:
