@@ -10,7 +10,7 @@ import torch
 
 import ftrain as ft
 from ftrain import tree
-from ftrain.testing import assert_steps_close, saved_activation_bytes
+from ftrain.testing import assert_one_graph, assert_steps_close, saved_activation_bytes
 
 from _tiny import lm_batch, lm_loss, tiny_gpt
 
@@ -164,6 +164,7 @@ def test_composes_with_accumulate_checkpoint_autocast_and_compile():
     start = state.replace(opt_state=sgd.init(state.params))
     assert_steps_close(bf16, fp32, start, batch, steps=1, rtol=2e-2)
     assert_steps_close(ft.compile(plain), plain, state, batch, steps=2, rtol=1e-5)
+    assert_one_graph(plain, state, batch)  # the merge compiles with the step, no graph break
     # activation checkpointing still saves less for backward (the merged weights are saved alike)
     blocks = lora(ft.checkpoint(ft.train_step(lm_loss(model), opt)))
     assert saved_activation_bytes(blocks, state, batch) < saved_activation_bytes(

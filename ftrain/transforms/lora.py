@@ -94,9 +94,12 @@ class Lora(Transform):
             {
                 "lora": {
                     "base": params,
-                    "scaling": torch.tensor(self.scaling, dtype=torch.float64),
+                    "scaling": torch.tensor(self.scaling, dtype=torch.float64, device=device),
                     "fan_in_fan_out": tree.from_flat(
-                        {p: torch.tensor(f) for p, f in zip(self.targets, self.fan_in_fan_out)}
+                        {
+                            p: torch.tensor(f, device=device)
+                            for p, f in zip(self.targets, self.fan_in_fan_out)
+                        }
                     ),
                 }
             },
