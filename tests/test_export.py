@@ -116,3 +116,52 @@ def test_export_refuses_a_run_without_checkpoints(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit, match="no checkpoint in"):
         main(["export", "--run", str(tmp_path / "empty"), "--out", str(tmp_path / "hf")])
+
+
+# -- after the merge with the --model-dir recipe (branch hfdata): skipped without its tests/_hf.py --
+
+
+def _chats(n=60):
+    return [
+        {"messages": [
+            {"role": "user", "content": f"what is {i} plus {i}?"},
+            {"role": "assistant", "content": f"{i} plus {i} is {2 * i}."},
+        ]}
+        for i in range(n)
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_model_dir_lora_lowers_the_loss_resumes_and_exports(tmp_path, kind):
+    """`ftrain train --model-dir M --data D.jsonl --lora-rank 4` lowers the loss, resumes bit for
+    bit, and `ftrain export` writes a folder that loads with the merged model's logits."""
+    import json
+
+    from ftrain.cli import main
+
+    hf_kit = pytest.importorskip("_hf", reason="needs the --model-dir recipe's test kit")
+    model_dir = hf_kit.tiny_hf_dir(tmp_path / kind, kind)
+    chats = hf_kit.write_jsonl(tmp_path / "chats.jsonl", _chats())
+    flags = ["--model-dir", str(model_dir), "--data", str(chats), "--seq-len", "32",
+             "--batch-size", "8", "--lr", "1e-2", "--warmup", "2", "--log-every", "1",
+             "--eval-every", "0", "--sample-tokens", "0", "--no-progress", "--lora-rank", "4",
+             "--data-dir", str(tmp_path / "tokens"), "--save-every", "10"]  # fmt: skip
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert main(["train", *flags, "--max-steps", "20", "--out", str(a)]) == 0
+    records = map(json.loads, (a / "metrics.jsonl").read_text().splitlines())
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert losses[-1] < losses[0] - 0.2, losses
+    assert main(["train", *flags, "--max-steps", "10", "--decay-steps", "20", "--out", str(b)]) == 0
+    assert main(["train", *flags, "--max-steps", "20", "--out", str(b), "--resume"]) == 0
+    ta = ft.load(ft.latest_checkpoint(a)).to_tensordict().flatten_keys(".")
+    tb = ft.load(ft.latest_checkpoint(b)).to_tensordict().flatten_keys(".")
+    assert sorted(ta.keys()) == sorted(tb.keys())
+    assert all(torch.equal(ta[k], tb[k]) for k in ta.keys())
+    out = tmp_path / "hf"
+    assert main(["export", "--run", str(a), "--out", str(out)]) == 0
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    merged = ft.merge_lora(ft.load(ft.latest_checkpoint(a)))
+    x = torch.tensor([tok("what is 3 plus 3?")["input_ids"]])
+    assert (loaded(x).logits - ft.apply(model, merged, x).logits).abs().max() <= 1e-5
