@@ -13,7 +13,7 @@ building  ``check(inner, outer)``                  ordering rules (each once, ac
 each call ``init(state) -> state``                 ``autocast`` (fp16 loss scale), ``ema``
           ``around_step(state) -> ctx``            ``autocast`` (TF32), ``shard`` (rank stream)
 forward   ``split(batch) -> [batch, ...]``         ``accumulate``
-          ``loss_params(params, state) -> params`` ``lora`` (frozen base + adapters)
+          ``loss_params(params, state) -> p``      ``lora`` (frozen base + adapters)
           ``around_forward(params) -> ctx``        ``autocast`` (``torch.autocast``)
           ``rewrite(module) -> module``            ``checkpoint``, ``shard`` (fsdp gathering)
 backward  ``engine(engine) -> engine``             the gradient engine (``AutogradEngine``)

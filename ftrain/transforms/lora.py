@@ -185,7 +185,10 @@ def lora_targets(
             f"'attn.proj']) or {ALL_LINEAR!r}."
         )
     linears = {name: m for name, m in model.named_modules() if _layout(m) is not None}
-    owned = dict(model.named_parameters())  # a tied weight appears once, under its first name
+    names_of: dict[int, list[str]] = {}  # a tied weight: one tensor under several names
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), []).append(name)
+    tied = {n: names for names in names_of.values() if len(names) > 1 for n in names}
     head = _output_head(model)
     found: dict[str, tuple[bool, tuple[int, int]]] = {}
     for pattern in patterns:
@@ -206,11 +209,11 @@ def lora_targets(
                 f"a suffix of their names (e.g. {_suffix_hint(linears)!r}) or {ALL_LINEAR!r}."
             )
         for name in names:
-            if f"{name}.weight" not in owned:
+            if f"{name}.weight" in tied:
                 raise ValueError(
                     f"ft.lora(targets=...): {name!r} has a weight tied to another parameter "
-                    "(it is the same tensor as an earlier one, e.g. an output head tied to the "
-                    "embedding); leave it out of targets."
+                    f"({tied[name + '.weight']}: one tensor, e.g. an output head tied to the "
+                    "embedding), which its update would change too; leave it out of targets."
                 )
             found[name] = _layout(linears[name])  # type: ignore[assignment]
     return found
