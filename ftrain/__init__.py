@@ -38,6 +38,8 @@ from ftrain.transforms import (
     compile,
     dp_sgd,
     ema,
+    lora,
+    merge_lora,
     shard,
     vmap,
     wrap,
@@ -92,4 +94,6 @@ __all__ = [
     "fit",
     "MemoryReport",
     "FitReport",
+    "lora",
+    "merge_lora",
 ]

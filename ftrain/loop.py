@@ -23,7 +23,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,13 +37,17 @@ from ftrain.config import TrainConfig, flag_name
 from ftrain.distributed import shard_state, unshard, unshard_state
 from ftrain.io.sharded import is_sharded
 from ftrain.recipes import for_config, gpt
+from ftrain.sinks import Sink, make_sinks
 
 __all__ = ["RESUME_FIXED", "evaluate", "train"]
 
 
-def train(cfg: TrainConfig) -> dict[str, Any]:
+def train(cfg: TrainConfig, *, sinks: Sequence[Sink] = ()) -> dict[str, Any]:
     """Train as ``cfg`` says; returns a summary (``step``, ``seconds``, ``out``, the last logged
-    metrics, ``val_loss``, and ``interrupted`` after a Ctrl-C).
+    metrics, ``val_loss``, ``val_perplexity``, and ``interrupted`` after a Ctrl-C).
+
+    Each log step's scalars go to ``metrics.jsonl``, to the sinks ``cfg.log`` names and to
+    ``sinks`` (your own ``ftrain.sinks.Sink`` objects, e.g. W&B), on the main process only.
 
     ``cfg`` is not changed. The settings the run resolves (the shard strategy under torchrun,
     ``micro_batches`` from ``global_batch_size``) are a new TrainConfig, which config.json and
@@ -67,13 +71,17 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     log = rundir.MetricsLog(out / "metrics.jsonl", start) if main else None
     if main:
         rundir.write_config(out, cfg)
-    report = _Report(run, log, start)
+        sinks = [*make_sinks(cfg.log, out, start), *sinks]
+    report = _Report(run, log, start, sinks if main else ())
     # Checkpoints are written in the background while training goes on; leaving waits for the last.
-    with ft.Saver() as saver:
-        state, interrupted = _train_steps(run, state, start, report, saver)
-        report.close()
-        _save(run, state, saver)
-        return _finish(run, state, report, interrupted)
+    try:
+        with ft.Saver() as saver:
+            state, interrupted = _train_steps(run, state, start, report, saver)
+            report.close()
+            _save(run, state, saver)
+            return _finish(run, state, report, interrupted)
+    finally:
+        report.close_sinks()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,7 +201,8 @@ def _check_global_batch(cfg: TrainConfig, saved: dict, meta: dict, world: int) -
 # Settings that fix the model, the data or the random stream: a run cannot continue exactly
 # with another value. The others (lr, max_steps, logging, ...) may change on --resume.
 RESUME_FIXED = ("seed", "seq_len", "d_model", "n_layer", "n_head", "bias", "n_experts", "top_k",
-                "batch_size", "data_dir", "model_dir", "data", "pack")  # fmt: skip
+                "batch_size", "data_dir", "model_dir", "data", "pack", "lora_rank", "lora_alpha",
+                "lora_targets")  # fmt: skip
 _NOT_COMPARED = ("out", "resume", "config", "progress")
 
 
@@ -254,9 +263,12 @@ def _train_steps(
 class _Report:
     """Where a log step's numbers go: metrics.jsonl and the progress bar (rank 0 only)."""
 
-    def __init__(self, run: _Run, log: rundir.MetricsLog | None, start: int):
+    def __init__(
+        self, run: _Run, log: rundir.MetricsLog | None, start: int, sinks: Sequence[Sink] = ()
+    ):
         cfg = run.cfg
         self.log = log
+        self.sinks = list(sinks)  # besides metrics.jsonl
         self.bar = None
         if run.main and cfg.progress:
             from tqdm.auto import tqdm
@@ -277,6 +289,8 @@ class _Report:
         self.t_log, self.step_at_log = now, n
         if self.log is not None:
             self.log.write(rec)
+        for sink in self.sinks:
+            sink.log(n, {k: v for k, v in rec.items() if k != "step"})
         if self.bar is not None:
             self.bar.set_postfix(
                 loss=f"{self.last['loss']:.3f}",
@@ -285,10 +299,14 @@ class _Report:
             )
 
     def validation(self, n: int, val: float) -> None:
-        self.log.write({"step": n, "val_loss": val})
-        self.last["val_loss"] = val
+        rec = {"val_loss": val, "val_perplexity": math.exp(min(val, 700.0))}  # exp: no overflow
+        self.log.write({"step": n, **rec})
+        for sink in self.sinks:
+            sink.log(n, rec)
+        self.last.update(rec)
         if self.bar is not None:
-            self.bar.write(f"step {n}: validation loss {val:.4f}")
+            ppl = rec["val_perplexity"]
+            self.bar.write(f"step {n}: validation loss {val:.4f}, perplexity {ppl:.2f}")
 
     def advance(self) -> None:
         if self.bar is not None:
@@ -297,12 +315,18 @@ class _Report:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+            self.bar = None
+
+    def close_sinks(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
 
 
 def _eval_params(run: _Run, state: ft.TrainState):
     """The whole params to evaluate and sample with (``gpt.eval_params``). Every process calls
     it: the params are gathered, and the optimizer state too when the eval params need it."""
-    if run.cfg.optimizer in gpt.SCHEDULE_FREE:
+    if run.cfg.optimizer in gpt.SCHEDULE_FREE or run.cfg.lora_rank:  # LoRA: merged
         return gpt.eval_params(run.cfg, unshard_state(state))
     return unshard(state.params)
 
@@ -386,8 +410,8 @@ def _outputs(
     the lines printed; returns ``summary`` with the validation loss."""
     cfg, out, last, model = run.cfg, run.out, report.last, run.recipe.model
     if "val_loss" not in last and cfg.eval_every:
-        last["val_loss"] = summary["val_loss"] = evaluate(model, params, run.recipe.valid, cfg)
-        report.log.write({"step": step, "val_loss": last["val_loss"]})
+        report.validation(step, evaluate(model, params, run.recipe.valid, cfg))
+        summary.update(val_loss=last["val_loss"], val_perplexity=last["val_perplexity"])
     rundir.plot_losses(report.log.records(), out / "loss.png")
     text = ""
     if cfg.sample_tokens:

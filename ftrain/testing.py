@@ -335,7 +335,7 @@ def saved_activation_bytes(step: Step, state: TrainState, batch: Any) -> int:
 
     def forward():
         leaves = [p.detach().requires_grad_(True) for p in tree.leaves(state.params)]
-        return step.forward(tree.unflatten(state.params, leaves), micro)
+        return step.forward(tree.unflatten(state.params, leaves), micro, state)
 
     with rng.seeded(rng.step_seed(state), device), step.around_step(state):
         return saved_bytes(forward)

@@ -30,15 +30,18 @@ from ftrain import data, optim, rundir
 from ftrain.config import TrainConfig
 from ftrain.models import GPT, GPTConfig, generate
 from ftrain.recipes import corpus
+from ftrain.transforms import Lora
 
 __all__ = [
     "Recipe",
     "SCHEDULE_FREE",
     "build",
     "build_data",
+    "build_lora",
     "build_model",
     "build_optimizer",
     "build_schedule",
+    "build_state",
     "build_step",
     "data_dir",
     "eval_params",
@@ -66,7 +69,7 @@ def build(cfg: TrainConfig, *, rank: int = 0, world: int = 1, quiet: bool = Fals
     loader, valid = build_data(cfg, rank=rank, world=world, quiet=quiet)
     model = build_model(cfg)
     opt = build_optimizer(cfg)
-    state = ft.TrainState.create(ft.params_of(model), opt, seed=cfg.seed)
+    state = build_state(cfg, model, opt)
     step = build_step(cfg, model, opt)
     return Recipe(model, step, step.init_extra(state), loader, valid)
 
@@ -142,6 +145,29 @@ def make_loss_fn(model: GPT):
     return loss_fn
 
 
+def build_lora(cfg: TrainConfig, model: torch.nn.Module) -> Lora | None:
+    """``ft.lora`` on ``model`` as ``--lora-rank/--lora-alpha/--lora-targets`` say, or None
+    (``--lora-rank 0``). A pattern that selects no linear layer is a usage error, raised now."""
+    if not cfg.lora_rank:
+        return None
+    targets = [t.strip() for t in cfg.lora_targets.split(",") if t.strip()]
+    try:
+        return ft.lora(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=targets)
+    except ValueError as e:
+        raise SystemExit(f"ftrain train: --lora-targets {cfg.lora_targets}: {e}") from None
+
+
+def build_state(
+    cfg: TrainConfig, model: torch.nn.Module, opt: optim.GradientTransformation
+) -> ft.TrainState:
+    """The state at step 0: ``model``'s params and ``opt``'s state, or with ``--lora-rank`` the
+    adapters as the params (the model's own frozen in ``state.extra["lora"]``)."""
+    lora = build_lora(cfg, model)
+    if lora is not None:
+        return lora.init_state(ft.params_of(model), opt, seed=cfg.seed)
+    return ft.TrainState.create(ft.params_of(model), opt, seed=cfg.seed)
+
+
 # -- optimizer --------------------------------------------------------------------------------
 def build_schedule(cfg: TrainConfig) -> optim.Schedule:
     """The learning rate by step: a linear warmup to ``cfg.lr``, then the named shape over
@@ -209,11 +235,15 @@ SCHEDULE_FREE = ("schedule_free_adamw",)
 
 def eval_params(cfg: TrainConfig, state: ft.TrainState):
     """The params to evaluate, sample and export with: ``state.params``, or for a schedule-free
-    optimizer the average its state describes (``optim.schedule_free_eval_params``). Pure: the
+    optimizer the average its state describes (``optim.schedule_free_eval_params``), with LoRA
+    adapters folded into the frozen base (``ft.merge_lora``). Pure: the
     state, which checkpoints keep as trained, is not changed. ``state`` must hold whole tensors."""
+    params = state.params
     if cfg.optimizer in SCHEDULE_FREE:
-        return optim.schedule_free_eval_params(state.opt_state, state.params)
-    return state.params
+        params = optim.schedule_free_eval_params(state.opt_state, state.params)
+    if "lora" in state.extra.keys():  # the adapters folded into the frozen base
+        return ft.merge_lora(state.replace(params=params))
+    return params
 
 
 # -- the step ---------------------------------------------------------------------------------
@@ -230,6 +260,9 @@ def build_step(
     last here only so that the composition reads in the order the step is built.
     """
     step = ft.train_step(loss_fn or make_loss_fn(model), opt, donate=True)
+    lora = build_lora(cfg, model)
+    if lora is not None:  # the step's params are the adapters
+        step = lora(step)
     if cfg.precision != "fp32":
         step = ft.autocast(step, {"bf16": torch.bfloat16, "fp16": torch.float16}[cfg.precision])
     if cfg.checkpoint_policy != "none":

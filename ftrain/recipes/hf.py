@@ -42,7 +42,7 @@ def build(cfg: TrainConfig, *, rank: int = 0, world: int = 1, quiet: bool = Fals
     model = build_model(cfg, tokenizer)
     loader, valid = gpt.build_data(cfg, rank=rank, world=world, quiet=quiet, tokenizer=tokenizer)
     opt = gpt.build_optimizer(cfg)
-    state = ft.TrainState.create(ft.params_of(model), opt, seed=cfg.seed)
+    state = gpt.build_state(cfg, model, opt)
     step = gpt.build_step(cfg, model, opt, loss_fn=make_loss_fn(model))
     return gpt.Recipe(model, step, step.init_extra(state), loader, valid)
 
