@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ftrain consolidate: {e}", file=sys.stderr)
             return 1
         print(f"ftrain consolidate: wrote {', '.join(f.name for f in files)} to {ns.out}")
+        return 0
     if ns.command == "export":
         from ftrain.export import export_run
 
