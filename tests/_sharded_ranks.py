@@ -155,13 +155,13 @@ def on_three(root: str) -> None:
     state = shard_state(ft.load(f"{root}/adamw-whole"), "fsdp")
     ft.save_checkpoint(f"{root}/run", state)
     if torch.distributed.get_rank() == 1:
-        real = tensorfile.write
+        real = tensorfile.write_lazy  # what a sharded save writes each rank's file with
 
-        def half_then_die(file, tensors, metadata=None):
-            real(file, tensors, metadata)
+        def half_then_die(file, specs, get, metadata=None):
+            real(file, specs, get, metadata)
             with open(file, "r+b") as f:
                 f.truncate(os.path.getsize(file) // 2)
             os._exit(9)
 
-        tensorfile.write = half_then_die
+        tensorfile.write_lazy = half_then_die
     ft.save_checkpoint(f"{root}/run", state.replace(step=state.step + 1))
