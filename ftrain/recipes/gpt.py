@@ -324,13 +324,14 @@ def generate_from(
                     generator=generator, seq_len=seq_len)  # fmt: skip
 
 
-def run_config(run: str | Path) -> tuple[Path, TrainConfig]:
+def run_config(run: str | Path, command: str = "ftrain sample") -> tuple[Path, TrainConfig]:
     """The newest valid checkpoint of the run folder ``run`` (or the checkpoint folder ``run``)
-    and the settings it was trained with (those this version knows)."""
+    and the settings it was trained with (those this version knows). Without a checkpoint,
+    ``SystemExit`` naming ``command`` and ``run``."""
     run = Path(run)
     latest = ft.latest_checkpoint(run) if not (run / "meta.json").exists() else run
     if latest is None:
-        raise SystemExit(f"ftrain sample: no checkpoint in {run}")
+        raise SystemExit(f"{command}: no checkpoint in {run}")
     saved: dict[str, Any] = rundir.saved_config(ft.load_meta(latest))
     # Only this version's settings: a checkpoint written by another version may hold others.
     known = {f.name for f in dataclasses.fields(TrainConfig)} - {"config"}
