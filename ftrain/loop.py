@@ -37,7 +37,7 @@ from ftrain.distributed import shard_state, unshard, unshard_state
 from ftrain.io.sharded import is_sharded
 from ftrain.recipes import for_config, gpt
 from ftrain.resume import RESUME_FIXED
-from ftrain.sinks import Sink, make_sinks
+from ftrain.sinks import Sink, check_sink, make_sinks
 
 __all__ = ["RESUME_FIXED", "evaluate", "train"]  # RESUME_FIXED lives in ftrain.resume
 
@@ -55,6 +55,8 @@ def train(cfg: TrainConfig, *, sinks: Sequence[Sink] = ()) -> dict[str, Any]:
     """
     cfg, rank, world = _launch(cfg)
     main = rank == 0
+    if main:
+        check_sink(cfg.log)  # a missing tensorboard package, before the data and model are built
     if cfg.memory_budget is not None:  # ft.fit chooses the composition before anything is built
         from ftrain.memory.recipe import fit_config
 
