@@ -19,7 +19,6 @@ plain model. Needs ``transformers`` (``pip install 'ftrain[hf]'``).
 from __future__ import annotations
 
 import copy
-import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -184,25 +183,15 @@ def export_run(run: str | Path, out: str | Path) -> Path:
     """``ftrain export``: the newest checkpoint of the run folder ``run`` (or the checkpoint
     folder ``run``) written to ``out`` as a Hugging Face directory, with the params the run
     evaluates with (LoRA merged, schedule-free averaged)."""
-    from ftrain import rundir
-    from ftrain.config import TrainConfig
     from ftrain.recipes import gpt
 
-    run = Path(run)
-    latest = ft.latest_checkpoint(run) if not (run / "meta.json").exists() else run
-    if latest is None:
-        raise SystemExit(f"ftrain export: no checkpoint in {run}")
-    saved: dict[str, Any] = rundir.saved_config(ft.load_meta(latest))
-    known = {f.name for f in dataclasses.fields(TrainConfig)} - {"config"}
-    cfg = TrainConfig(**{k: v for k, v in saved.items() if k in known})
-    state = ft.load(latest)
-    params = gpt.eval_params(cfg, state)
-    if saved.get("model_dir"):  # a Hugging Face model: its own class, its own tokenizer files
+    latest, cfg = gpt.run_config(run, "ftrain export")
+    params = gpt.eval_params(cfg, ft.load(latest))
+    if cfg.model_dir:  # a Hugging Face model: its own class, its own tokenizer files
         from ftrain.models.hf import load_causal_lm
 
-        model = load_causal_lm(saved["model_dir"])
-        export_hf(model, params, out)
-        _copy_tokenizer(Path(saved["model_dir"]), Path(out))
+        export_hf(load_causal_lm(cfg.model_dir), params, out)
+        _copy_tokenizer(Path(cfg.model_dir), Path(out))
         return Path(out)
     return export_gpt(gpt.build_model(cfg), params, out)
 

@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-__all__ = ["Sink", "TensorBoardSink", "SINKS", "make_sinks"]
+__all__ = ["Sink", "TensorBoardSink", "SINKS", "check_sink", "make_sinks"]
 
 # The names --log accepts: metrics.jsonl alone, or with TensorBoard event files beside it.
 SINKS = ("jsonl", "tensorboard")
@@ -53,13 +53,7 @@ class TensorBoardSink:
     with ``tensorboard --logdir runs/``."""
 
     def __init__(self, log_dir: str | Path, *, purge_step: int | None = None):
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as e:  # torch raises this when the tensorboard package is missing
-            raise ImportError(
-                "--log tensorboard needs the tensorboard package: pip install "
-                "'ftrain[tensorboard]' (or pip install tensorboard)"
-            ) from e
+        SummaryWriter = _summary_writer()
         # purge_step: a resumed run hides what a previous run logged after its checkpoint
         self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
 
@@ -74,12 +68,31 @@ class TensorBoardSink:
         self.writer.close()
 
 
+def check_sink(name: str) -> None:
+    """Raise now what :func:`make_sinks` would raise for ``--log name`` (an unknown name, a
+    missing package), so a run refuses it before it builds anything."""
+    if name not in SINKS:
+        raise ValueError(f"--log must be one of {SINKS}, got {name!r}")
+    if name == "tensorboard":
+        _summary_writer()
+
+
 def make_sinks(name: str, out: Path, start: int = 0) -> list[Sink]:
     """The sinks ``--log name`` adds to ``metrics.jsonl`` for the run folder ``out`` of a run
     starting at step ``start``: ``"jsonl"`` none, ``"tensorboard"`` a :class:`TensorBoardSink`
     in ``out/tensorboard``."""
-    if name not in SINKS:
-        raise ValueError(f"--log must be one of {SINKS}, got {name!r}")
+    check_sink(name)
     if name == "tensorboard":
         return [TensorBoardSink(Path(out) / "tensorboard", purge_step=start + 1 if start else None)]
     return []
+
+
+def _summary_writer():
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:  # torch raises this when the tensorboard package is missing
+        raise ImportError(
+            "--log tensorboard needs the tensorboard package: pip install "
+            "'ftrain[tensorboard]' (or pip install tensorboard)"
+        ) from e
+    return SummaryWriter

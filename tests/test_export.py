@@ -7,6 +7,7 @@ import torch
 import ftrain as ft
 from ftrain.data import ByteTokenizer
 
+from _hf import arithmetic_chats, tiny_hf_dir, write_jsonl
 from _tiny import lm_batch, tiny_gpt
 
 transformers = pytest.importorskip("transformers")
@@ -118,17 +119,7 @@ def test_export_refuses_a_run_without_checkpoints(tmp_path):
         main(["export", "--run", str(tmp_path / "empty"), "--out", str(tmp_path / "hf")])
 
 
-# -- after the merge with the --model-dir recipe (branch hfdata): skipped without its tests/_hf.py --
-
-
-def _chats(n=60):
-    return [
-        {"messages": [
-            {"role": "user", "content": f"what is {i} plus {i}?"},
-            {"role": "assistant", "content": f"{i} plus {i} is {2 * i}."},
-        ]}
-        for i in range(n)
-    ]  # fmt: skip
+# -- a --model-dir run with LoRA, exported ------------------------------------------------------
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
@@ -139,9 +130,8 @@ def test_model_dir_lora_lowers_the_loss_resumes_and_exports(tmp_path, kind):
 
     from ftrain.cli import main
 
-    hf_kit = pytest.importorskip("_hf", reason="needs the --model-dir recipe's test kit")
-    model_dir = hf_kit.tiny_hf_dir(tmp_path / kind, kind)
-    chats = hf_kit.write_jsonl(tmp_path / "chats.jsonl", _chats())
+    model_dir = tiny_hf_dir(tmp_path / kind, kind)
+    chats = write_jsonl(tmp_path / "chats.jsonl", arithmetic_chats())
     flags = ["--model-dir", str(model_dir), "--data", str(chats), "--seq-len", "32",
              "--batch-size", "8", "--lr", "1e-2", "--warmup", "2", "--log-every", "1",
              "--eval-every", "0", "--sample-tokens", "0", "--no-progress", "--lora-rank", "4",

@@ -41,7 +41,7 @@ def test_sharded_checkpoints_load_whole_on_one_process(sharded_checkpoints):
 def test_a_sharded_save_holds_only_this_ranks_pieces(sharded_checkpoints):
     """Measured with ``track_allocations``: a blocking sharded save of a CPU state allocates
     (almost) nothing; a background one copies this rank's shards (plus the few whole tensors
-    rank 0 writes); gathering the state whole to save it, as before, costs the whole state."""
+    rank 0 writes); gathering the state whole to save it (a save unaware of shards) costs the whole state."""
     _, found = sharded_checkpoints
     for name in ("two0", "two1"):
         for opt, m in found[name]["memory"].items():

@@ -74,3 +74,19 @@ def test_a_run_logs_to_tensorboard_and_to_a_users_sink(tmp_path, tiny_run):
     # the user's sink saw every line metrics.jsonl holds, and was closed
     assert mine.closed
     assert [{"step": s, **d} for s, d in mine.logged] == records
+
+
+def test_a_missing_tensorboard_is_refused_before_the_run_builds(tmp_path, tiny_run, monkeypatch):
+    import sys
+
+    from ftrain import recipes
+
+    def never(*a, **k):
+        raise AssertionError("the recipe was built before --log was checked")
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails
+    monkeypatch.setattr(recipes.gpt, "build", never)
+    cfg = from_args(parser().parse_args(["train", *tiny_run, "--out", str(tmp_path / "r"),
+                                         "--log", "tensorboard"]))  # fmt: skip
+    with pytest.raises(ImportError, match=r"pip install 'ftrain\[tensorboard\]'"):
+        train(cfg)

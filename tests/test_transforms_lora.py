@@ -145,6 +145,28 @@ def test_optimizer_state_holds_only_adapters():
     assert tree.paths(new.opt_state) == tree.paths(state.opt_state)
 
 
+def test_under_vmap_equals_each_member_run_alone():
+    """ft.vmap of a LoRA step (members with their own adapters, the base stacked in each
+    member's state) gives each member exactly what its own LoRA step gives it."""
+    model = tiny_gpt()
+    opt = ft.optim.adam(1e-2)
+    lora = ft.lora(model, rank=2, targets=["attn.qkv", "mlp.fc"])
+    alone = [lora.init_state(ft.params_of(model), opt, seed=s) for s in (0, 1)]
+    step = lora(ft.train_step(lm_loss(model), opt))
+    together = ft.stack(alone)
+    vstep = ft.vmap(lora(ft.train_step(lm_loss(model), opt)))
+    batch = lm_batch()
+    for _ in range(2):
+        together, _ = vstep(together, batch)
+        alone = [step(s, batch)[0] for s in alone]
+    for member, state in zip(ft.unstack(together), alone):
+        got, want = tree.to_flat(member.params), tree.to_flat(state.params)
+        assert got.keys() == want.keys()
+        assert all(torch.allclose(got[k], want[k], rtol=1e-5, atol=1e-6) for k in want)
+    assert not torch.equal(alone[0].params["blocks", "0", "attn", "qkv", "lora_B"],
+                           alone[1].params["blocks", "0", "attn", "qkv", "lora_B"])  # fmt: skip
+
+
 def test_composes_with_accumulate_checkpoint_autocast_and_compile():
     model = tiny_gpt(dropout=0.0)
     opt = ft.optim.adamw(1e-2)

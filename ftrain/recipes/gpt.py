@@ -2,7 +2,7 @@
 
     ftrain train                                          # this recipe, with its defaults
     ftrain train --precision bf16 --micro-batches 4 --checkpoint-policy blocks
-    ftrain sample --run runs/a --prompt "def "            # sample_text from a run's checkpoint
+    ftrain sample --run runs/a --prompt "def "            # ftrain.recipes.sample: sample_text
 
     from ftrain.config import TrainConfig
     from ftrain.recipes import gpt
@@ -45,9 +45,9 @@ __all__ = [
     "build_step",
     "data_dir",
     "eval_params",
+    "generate_from",
     "make_loss_fn",
     "run_config",
-    "sample",
     "sample_text",
     "set_peak_lr",
 ]
@@ -278,7 +278,8 @@ def build_step(
 
 # -- text -------------------------------------------------------------------------------------
 # Sampling lives with the recipe, not the loop: it needs this recipe's model and tokenizer and
-# nothing of training (the loop calls sample_text at the end of a run, `ftrain sample` sample).
+# nothing of training (the loop calls sample_text at the end of a run, ftrain.recipes.sample
+# from a run's checkpoint).
 def sample_text(
     model: GPT,
     params,
@@ -296,46 +297,42 @@ def sample_text(
     tok = data.ByteTokenizer()
     # An empty prompt starts from the end-of-document token (dropped by decode): unconditional.
     ids = torch.tensor([tok.encode(prompt) or [tok.eot_id]], dtype=torch.long)
-    model = copy.deepcopy(model)  # the template stays untouched
-    model.load_state_dict(ft.state_dict_of(params), strict=False)  # strict=False: tied weights
-    model.eval()
-    out = generate(
-        model,
-        ids,
-        max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        generator=torch.Generator().manual_seed(seed),
-    )
+    out = generate_from(model, params, ids, max_new_tokens, temperature=temperature, top_k=top_k,
+                        seed=seed)  # fmt: skip
     return tok.decode(out[0].tolist())
 
 
-def run_config(run: str | Path) -> tuple[Path, TrainConfig]:
+def generate_from(
+    model: torch.nn.Module,
+    params,
+    ids: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    temperature: float,
+    top_k: int | None,
+    seed: int,
+    seq_len: int | None = None,
+) -> torch.Tensor:
+    """``ftrain.models.generate`` of the token ids ``ids`` (B, T) run with ``params`` in eval
+    mode, from a generator seeded with ``seed`` (the same seed gives the same tokens). ``model``
+    is not changed: a copy of it takes the params (strict=False: a tied weight is held once)."""
+    model = copy.deepcopy(model)  # the template stays untouched
+    model.load_state_dict(ft.state_dict_of(params), strict=False)
+    model.eval()
+    generator = torch.Generator().manual_seed(seed)
+    return generate(model, ids, max_new_tokens, temperature=temperature, top_k=top_k,
+                    generator=generator, seq_len=seq_len)  # fmt: skip
+
+
+def run_config(run: str | Path, command: str = "ftrain sample") -> tuple[Path, TrainConfig]:
     """The newest valid checkpoint of the run folder ``run`` (or the checkpoint folder ``run``)
-    and the settings it was trained with (those this version knows)."""
+    and the settings it was trained with (those this version knows). Without a checkpoint,
+    ``SystemExit`` naming ``command`` and ``run``."""
     run = Path(run)
     latest = ft.latest_checkpoint(run) if not (run / "meta.json").exists() else run
     if latest is None:
-        raise SystemExit(f"ftrain sample: no checkpoint in {run}")
+        raise SystemExit(f"{command}: no checkpoint in {run}")
     saved: dict[str, Any] = rundir.saved_config(ft.load_meta(latest))
     # Only this version's settings: a checkpoint written by another version may hold others.
     known = {f.name for f in dataclasses.fields(TrainConfig)} - {"config"}
     return latest, TrainConfig(**{k: v for k, v in saved.items() if k in known})
-
-
-def sample(
-    run: str | Path,
-    prompt: str,
-    max_new_tokens: int,
-    temperature: float,
-    top_k: int | None,
-    seed: int = 0,
-) -> str:
-    """:func:`sample_text` from the newest valid checkpoint of the run folder ``run`` (or from the
-    checkpoint folder ``run``), with the model its saved settings describe and the params
-    :func:`eval_params` gives."""
-    latest, cfg = run_config(run)
-    model, params = build_model(cfg), eval_params(cfg, ft.load(latest))
-    return sample_text(
-        model, params, prompt, max_new_tokens, temperature=temperature, top_k=top_k, seed=seed
-    )
