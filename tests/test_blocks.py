@@ -140,3 +140,16 @@ def test_copy_module_is_a_new_object_holding_the_same_tables():
     idx = tokens()
     params = ft.params_of(model)
     assert torch.equal(ft.apply(copy, params, idx), ft.apply(model, params, idx))
+
+
+def test_a_later_rewrite_reaches_inside_an_earlier_replaced_forward():
+    # fsdp replaces the root's forward, then ft.checkpoint replaces the blocks' forwards: the
+    # root's new forward must run the replaced blocks, not the blocks as they were
+    torch.manual_seed(0)
+    chain = Chain(2)
+    x = torch.randn(3, 16)
+    b0, b1 = chain.blocks
+    first = replace_forwards(chain, [(chain, plus_one)])
+    second = replace_forwards(first, [(b, doubled) for b in find_blocks(first)])
+    torch.testing.assert_close(second(x), 2 * b1(2 * b0(x)) + 1, rtol=0, atol=0)
+    torch.testing.assert_close(first(x), chain(x) + 1, rtol=0, atol=0)  # left as it was

@@ -42,3 +42,17 @@ def test_hold_marks_and_flops():
     assert live.flops == 2 * 100**3
     del y
     assert live.live == 40000
+
+
+def test_fresh_only_skips_what_existed_before():
+    x = torch.ones(1000)  # made before: 4000 bytes
+    counts = {}
+    for fresh in (False, True):
+        live = LiveBytes(fresh_only=fresh)
+        with live:
+            v = x.view(10, 100)  # a view of an older storage
+            x.mul_(1)  # in place on it
+            y = x + 1  # new: 4000
+            counts[fresh] = live.live
+        del v, y
+    assert counts == {False: 8000, True: 4000}

@@ -134,7 +134,7 @@ def memory(step: Step, state: TrainState | TensorDictBase, batch: Any) -> Memory
     **Invariant:** within 10% of the peak of live bytes the real step allocates
     (``ftrain.testing.peak_bytes``), over micro-batches, checkpoint policies, precisions,
     optimizers and ``ddp``/``zero1``/``zero2`` (``tests/test_memory_plan.py``); ``fsdp`` is within
-    10% on most compositions measured, not all (29% under on one).
+    10% on most compositions measured, not all (up to 22% off with one micro-batch: docs/memory.md).
     """
     plain, shard = planned_step(step)
     mode = fake_mode()

@@ -72,10 +72,15 @@ class LiveBytes(TorchDispatchMode):
     counters keep their values. ``flops`` adds up the FLOPs of the ops that
     ``torch.utils.flop_counter`` has a formula for (matmuls, convolutions, attention); its
     ``FlopCounterMode`` is not stacked instead because its module tracker keeps tensors alive.
+
+    ``fresh_only=True`` counts only storages allocated while it is active: an output whose storage
+    is one of the op's inputs' (a view or an in-place result of a tensor made before) is skipped
+    rather than counted as alive (``ftrain.testing.track_allocations`` and ``saved_bytes``).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, fresh_only: bool = False) -> None:
         super().__init__()
+        self.fresh_only = fresh_only
         self.live = 0
         self.peak = 0
         self.flops = 0
@@ -134,6 +139,9 @@ class LiveBytes(TorchDispatchMode):
         formula = flop_registry.get(getattr(func, "_overloadpacket", None))
         if formula is not None:
             self.flops += int(formula(*args, **kwargs, out_val=out))
+        taken = {id(s) for s in map(storage_of, inputs) if s is not None} if self.fresh_only else ()
         for t in tensor_leaves(out):
+            if taken and id(storage_of(t)) in taken:
+                continue
             self._count(t)
         return out
