@@ -138,13 +138,21 @@ def in_mode(module: nn.Module, training: bool) -> nn.Module:
     copies: dict[int, nn.Module] = {}
 
     def visit(m: nn.Module) -> nn.Module:
-        if id(m) not in copies:
+        if id(m) in copies:
+            return copies[id(m)]
+        earlier = m.__dict__.get(_REPLACED)
+        if earlier is not None:  # a copy whose forward runs `inner`: set the mode inside `inner`
+            make, inner = earlier
+            new_inner = visit(inner)
+            new = copies[id(m)] = _replaced(m, make, new_inner)
+            set_children(new, dict(children(new_inner)))
+        else:
             new = copies[id(m)] = copy_module(m)
-            new.__dict__["training"] = training  # an attribute of our own copy
             set_children(
                 new,
                 {name: None if c is None else visit(c) for name, c in children(m).items()},
             )
-        return copies[id(m)]
+        new.__dict__["training"] = training  # an attribute of our own copy
+        return new
 
     return visit(module)
