@@ -8,6 +8,7 @@ files and the checkpoints left in ``root``:
     <opt>-whole      the reference: saved whole by one process (opt: adamw, adamw8bit, adafactor)
     <opt>-fsdp2      saved sharded by 2 ranks under fsdp (and <opt>-fsdp2-bg in the background)
     <opt>-zero1-2    saved by 2 ranks under zero1 (params whole, optimizer state sharded)
+    <opt>-ddp-2, <opt>-zero2-2   saved by 2 ranks under ddp (by rank 0) and zero2
     <opt>-fsdp3      saved by 3 ranks under fsdp (uneven rows: 22/22/20)
     run/             checkpoint-2 whole, and what a save killed on rank 1 left (a .tmp- directory)
 """
@@ -98,7 +99,11 @@ def on_two(root: str) -> None:
             "whole": whole_bytes,
             "biggest": biggest,
         }
-        ft.save(shard_state(whole, "zero1"), f"{root}/{opt}-zero1-2")
+        ddp = shard_state(whole, "ddp")  # every process: laying out a state is a collective
+        if rank == 0:  # a ddp state is whole on every process: one of them saves it
+            ft.save(ddp, f"{root}/{opt}-ddp-2")
+        for strategy in ("zero1", "zero2"):  # sharded states: every process saves its pieces
+            ft.save(shard_state(whole, strategy), f"{root}/{opt}-{strategy}-2")
         torch.distributed.barrier()  # the reference is on disk
         _load_each_way(found, root, opt, ("whole", "fsdp2", "fsdp2-bg"), whole, world=2)
     found["columns"] = _columns(root, whole_state("adamw"))
@@ -148,7 +153,8 @@ def on_three(root: str) -> None:
     found: dict = {"loads": {}}
     for opt in OPTS:
         reference = ft.load(f"{root}/{opt}-whole")
-        _load_each_way(found, root, opt, ("fsdp2", "zero1-2"), reference, world=3)
+        sources = ("fsdp2", "ddp-2", "zero1-2", "zero2-2")
+        _load_each_way(found, root, opt, sources, reference, world=3)
         ft.save(shard_state(reference, "fsdp"), f"{root}/{opt}-fsdp3")  # uneven: 22/22/20 rows
     _report(root, "three", found)
     # A rank killed while writing its file: the run folder keeps its previous checkpoint.

@@ -21,7 +21,7 @@ def test_sharded_checkpoints_load_whole_on_one_process(sharded_checkpoints):
         reference = ft.load(f"{root}/{opt}-whole")
         keys = reference.to_tensordict().flatten_keys(".").keys()
         assert "extra.ema.wte.weight" in keys and "extra.loss_scale.scale" in keys
-        for src in ("fsdp2", "fsdp3", "zero1-2"):
+        for src in ("fsdp2", "fsdp3", "ddp-2", "zero1-2", "zero2-2"):
             assert differing(ft.load(f"{root}/{opt}-{src}"), reference) == [], (opt, src)
             like = whole_state(opt, steps=0)
             assert differing(ft.load(f"{root}/{opt}-{src}", like=like), reference) == []
