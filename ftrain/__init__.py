@@ -26,6 +26,7 @@ from ftrain.io import (
     save_checkpoint,
 )
 from ftrain.losses import Loss
+from ftrain.memory import FitReport, MemoryReport, fit, memory
 from ftrain.per_example import per_example_grads
 from ftrain.stack import stack, unstack
 from ftrain.state import TrainState, buffers_of, param_count, params_of, state_dict_of
@@ -37,6 +38,8 @@ from ftrain.transforms import (
     compile,
     dp_sgd,
     ema,
+    lora,
+    merge_lora,
     shard,
     vmap,
     wrap,
@@ -87,4 +90,10 @@ __all__ = [
     "stack",
     "unstack",
     "vmap",
+    "memory",
+    "fit",
+    "MemoryReport",
+    "FitReport",
+    "lora",
+    "merge_lora",
 ]

@@ -90,25 +90,45 @@ def replace_forwards(
         return any(t is m for t in targets) or any(contains(c) for c in m.children())
 
     def visit(m: nn.Module) -> nn.Module:
-        table = children(m)
-        changed = {
-            name: visit(child)
-            for name, child in table.items()
-            if child is not None and contains(child)
-        }
+        earlier = m.__dict__.get(_REPLACED)
         current = m
-        if changed:
-            current = copy_module(m)
-            set_children(current, {**table, **changed})
+        if earlier is not None:  # a copy whose forward runs `inner`: rewrite inside `inner`
+            make_earlier, inner = earlier
+            new_inner = visit(inner)
+            if new_inner is not inner:
+                current = _replaced(m, make_earlier, new_inner)
+                set_children(current, dict(children(new_inner)))
+        else:
+            table = children(m)
+            changed = {
+                name: visit(child)
+                for name, child in table.items()
+                if child is not None and contains(child)
+            }
+            if changed:
+                current = copy_module(m)
+                set_children(current, {**table, **changed})
         for target, make in replacements:
             if target is m:
-                replaced = copy_module(current)
-                clear_hooks(replaced)
-                replaced.__dict__["forward"] = make(current)  # an attribute of our own copy
-                current = replaced
+                current = _replaced(current, make, current)
+                clear_hooks(current)
         return current
 
     return visit(module)
+
+
+# On our own copies (never a user's module): ``(make, inner)`` of a copy whose forward is
+# ``make(inner)``. A later :func:`replace_forwards` rewrites inside ``inner`` and makes the forward
+# again; otherwise the forward would still run the blocks as they were before (fsdp replaces the
+# root's forward, and ft.checkpoint's rewrite comes after it).
+_REPLACED = "_ftrain_replaced_forward"
+
+
+def _replaced(module: nn.Module, make: MakeForward, inner: nn.Module) -> nn.Module:
+    copy = copy_module(module)
+    copy.__dict__["forward"] = make(inner)  # attributes of our own copy
+    copy.__dict__[_REPLACED] = (make, inner)
+    return copy
 
 
 def in_mode(module: nn.Module, training: bool) -> nn.Module:
@@ -118,13 +138,21 @@ def in_mode(module: nn.Module, training: bool) -> nn.Module:
     copies: dict[int, nn.Module] = {}
 
     def visit(m: nn.Module) -> nn.Module:
-        if id(m) not in copies:
+        if id(m) in copies:
+            return copies[id(m)]
+        earlier = m.__dict__.get(_REPLACED)
+        if earlier is not None:  # a copy whose forward runs `inner`: set the mode inside `inner`
+            make, inner = earlier
+            new_inner = visit(inner)
+            new = copies[id(m)] = _replaced(m, make, new_inner)
+            set_children(new, dict(children(new_inner)))
+        else:
             new = copies[id(m)] = copy_module(m)
-            new.__dict__["training"] = training  # an attribute of our own copy
             set_children(
                 new,
                 {name: None if c is None else visit(c) for name, c in children(m).items()},
             )
-        return copies[id(m)]
+        new.__dict__["training"] = training  # an attribute of our own copy
+        return new
 
     return visit(module)

@@ -1,9 +1,10 @@
-"""The ``ftrain`` command: ``ftrain train``, ``ftrain sample`` and ``ftrain consolidate``.
+"""The ``ftrain`` command: ``train``, ``sample``, ``consolidate`` and ``export``.
 
     ftrain train --help                           # every setting of ftrain.config.TrainConfig
     ftrain train --out runs/a                     # ftrain.loop.train with the built-in recipe
     ftrain sample --run runs/a --prompt "def "    # ftrain.recipes.sample
     ftrain consolidate --run runs/a --out export/  # ft.consolidate: whole-tensor params
+    ftrain export --run runs/a --out hf/a         # ftrain.export.export_run: a Hugging Face dir
 
 Bad flags get argparse's usage message and exit code 2, never a traceback; a damaged checkpoint
 gets its message and exit code 1; a run stopped by Ctrl-C (its checkpoint saved) exits with 130.
@@ -31,7 +32,9 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     p = argparse.ArgumentParser(
         prog="ftrain", description="Functional training for PyTorch: the main job and tools."
     )
-    sub = p.add_subparsers(dest="command", required=True, metavar="{train,sample,consolidate}")
+    sub = p.add_subparsers(
+        dest="command", required=True, metavar="{train,sample,consolidate,export}"
+    )
     t = sub.add_parser(
         "train",
         help="train a byte-level GPT on the Python standard library",
@@ -57,6 +60,12 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     c.add_argument("--run", required=True, metavar="PATH", help="run directory or checkpoint")
     c.add_argument("--out", required=True, metavar="DIR", help="directory to write")
     c.add_argument("--max-shard-size", default="5GB", metavar="SIZE", help="default: 5GB")
+    e = sub.add_parser(
+        "export",
+        help="write a run's model as a Hugging Face directory (config, safetensors, tokenizer)",
+    )
+    e.add_argument("--run", required=True, metavar="DIR", help="run directory or checkpoint")
+    e.add_argument("--out", required=True, metavar="DIR", help="the directory to write")
     return p, t
 
 
@@ -105,6 +114,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ftrain consolidate: {e}", file=sys.stderr)
             return 1
         print(f"ftrain consolidate: wrote {', '.join(f.name for f in files)} to {ns.out}")
+        return 0
+    if ns.command == "export":
+        from ftrain.export import export_run
+
+        try:
+            out = export_run(ns.run, ns.out)
+        except ft.CheckpointError as e:
+            print(f"ftrain export: {e}", file=sys.stderr)
+            return 1
+        print(f"ftrain export: wrote {out} (AutoModelForCausalLM.from_pretrained({str(out)!r}))")
         return 0
     return 2  # pragma: no cover
 

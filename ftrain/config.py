@@ -24,6 +24,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 CHECKPOINT_POLICIES = ("none", "blocks", "selective")
 SCHEDULES = ("cosine", "constant", "linear", "wsd", "inverse_sqrt")
 SHARD_STRATEGIES = ("none", "ddp", "zero1", "zero2", "fsdp")
+SINK_NAMES = ("jsonl", "tensorboard")  # ftrain.sinks.SINKS
 
 
 def _f(default, help: str, **kw):
@@ -71,6 +72,20 @@ class TrainConfig:
     precision: str = _f("fp32", "forward precision (params stay fp32)", choices=PRECISIONS)
     compile: bool = _f(False, "torch.compile the whole step (slow to start on a CPU)")
     shard: str = _f("none", "data parallelism under torchrun", choices=SHARD_STRATEGIES)
+    memory_budget: str | None = _f(
+        None,
+        "bytes per process (e.g. 4GiB; auto = free CUDA memory): ft.fit picks micro-batches, "
+        "checkpointing, precision (and --shard) to fit; rows per step stay",
+        metavar="SIZE",
+    )
+    # -- LoRA (ft.lora): train low-rank adapters, the model's own params frozen ---------------------
+    lora_rank: int = _f(0, "LoRA adapters of this rank on --lora-targets (0 = train every param)")
+    lora_alpha: float = _f(16.0, "LoRA scale numerator: the update is alpha / rank * B @ A")
+    lora_targets: str = _f(
+        "all-linear",
+        "comma-separated module-name patterns of the layers LoRA adapts (e.g. attn.qkv,attn.proj)",
+        metavar="NAMES",
+    )
     # -- optimizer ------------------------------------------------------------------------------
     optimizer: str = _f("adamw", "optimizer (ftrain.optim alias)")
     lr: float = _f(3e-3, "peak learning rate (with --resume: the new peak from the next step)")
@@ -96,6 +111,9 @@ class TrainConfig:
         False, "keep attention within each document of a row and restart positions at each"
     )
     # -- logging, evaluation, checkpoints --------------------------------------------------------
+    log: str = _f(
+        "jsonl", "metrics sink besides metrics.jsonl: tensorboard event files", choices=SINK_NAMES
+    )
     log_every: int = _f(10, "steps between metrics.jsonl lines (each is one host sync)")
     eval_every: int = _f(100, "steps between validation losses (0 = off)")
     eval_batches: int = _f(8, "validation batches per evaluation")
@@ -137,6 +155,8 @@ class TrainConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"--dropout must be in [0, 1), got {self.dropout}")
+        if self.lora_rank < 0 or self.lora_alpha <= 0:
+            raise ValueError("--lora-rank must be >= 0 (0 = off) and --lora-alpha > 0")
         if self.lr <= 0:
             raise ValueError(f"--lr must be > 0, got {self.lr}")
         if self.weight_decay < 0 or self.clip_grad < 0:
@@ -150,11 +170,16 @@ class TrainConfig:
             ("checkpoint_policy", CHECKPOINT_POLICIES),
             ("lr_schedule", SCHEDULES),
             ("shard", SHARD_STRATEGIES),
+            ("log", SINK_NAMES),
         ):
             if getattr(self, name) not in legal:
                 raise ValueError(
                     f"--{flag_name(name)} must be one of {legal}, got {getattr(self, name)!r}"
                 )
+        if self.memory_budget not in (None, "auto"):
+            from ftrain.memory import parse_bytes
+
+            parse_bytes(self.memory_budget, "--memory-budget")
         if self.compile and self.shard == "fsdp":
             raise ValueError(
                 "--compile cannot be combined with --shard fsdp (torch.compile cannot trace fsdp's "

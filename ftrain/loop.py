@@ -21,29 +21,33 @@ import dataclasses
 import math
 import os
 import signal
-import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 import ftrain as ft
-from ftrain import distributed, rundir
-from ftrain.config import TrainConfig, flag_name
+from ftrain import distributed, resume, rundir
+from ftrain.config import TrainConfig
 
 # The one import of the sharding helpers (the recipe composes the step with the public ft.shard).
 from ftrain.distributed import shard_state, unshard, unshard_state
 from ftrain.io.sharded import is_sharded
 from ftrain.recipes import for_config, gpt
+from ftrain.resume import RESUME_FIXED
+from ftrain.sinks import Sink, check_sink, make_sinks
 
-__all__ = ["RESUME_FIXED", "evaluate", "train"]
+__all__ = ["RESUME_FIXED", "evaluate", "train"]  # RESUME_FIXED lives in ftrain.resume
 
 
-def train(cfg: TrainConfig) -> dict[str, Any]:
+def train(cfg: TrainConfig, *, sinks: Sequence[Sink] = ()) -> dict[str, Any]:
     """Train as ``cfg`` says; returns a summary (``step``, ``seconds``, ``out``, the last logged
-    metrics, ``val_loss``, and ``interrupted`` after a Ctrl-C).
+    metrics, ``val_loss``, ``val_perplexity``, and ``interrupted`` after a Ctrl-C).
+
+    Each log step's scalars go to ``metrics.jsonl``, to the sinks ``cfg.log`` names and to
+    ``sinks`` (your own ``ftrain.sinks.Sink`` objects, e.g. W&B), on the main process only.
 
     ``cfg`` is not changed. The settings the run resolves (the shard strategy under torchrun,
     ``micro_batches`` from ``global_batch_size``) are a new TrainConfig, which config.json and
@@ -51,6 +55,14 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     """
     cfg, rank, world = _launch(cfg)
     main = rank == 0
+    if main:
+        check_sink(cfg.log)  # a missing tensorboard package, before the data and model are built
+    if cfg.memory_budget is not None:  # ft.fit chooses the composition before anything is built
+        from ftrain.memory.recipe import fit_config
+
+        cfg, fitted = fit_config(cfg)
+        if main:
+            print(fitted, flush=True)
     out = Path(_from_rank0(str(rundir.prepare_out(cfg)) if main else None, world))
     recipe = for_config(cfg).build(cfg, rank=rank, world=world, quiet=not main)
     run = _Run(cfg, rank, world, out, recipe)
@@ -61,13 +73,17 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     log = rundir.MetricsLog(out / "metrics.jsonl", start) if main else None
     if main:
         rundir.write_config(out, cfg)
-    report = _Report(run, log, start)
+        sinks = [*make_sinks(cfg.log, out, start), *sinks]
+    report = _Report(run, log, start, sinks if main else ())
     # Checkpoints are written in the background while training goes on; leaving waits for the last.
-    with ft.Saver() as saver:
-        state, interrupted = _train_steps(run, state, start, report, saver)
-        report.close()
-        _save(run, state, saver)
-        return _finish(run, state, report, interrupted)
+    try:
+        with ft.Saver() as saver:
+            state, interrupted = _train_steps(run, state, start, report, saver)
+            report.close()
+            _save(run, state, saver)
+            return _finish(run, state, report, interrupted)
+    finally:
+        report.close_sinks()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,94 +144,12 @@ def _restore(run: _Run, state: ft.TrainState) -> tuple[ft.TrainState, int]:
             print(f"ftrain train: --resume: no checkpoint in {run.out}; starting from step 0")
         return state, 0
     meta = ft.load_meta(latest)
-    saved = rundir.saved_config(meta)
-    _check_global_batch(cfg, saved, meta, run.world)
-    _check_resumed_config(cfg, saved, run.main)
-    state = _load_state(latest, meta, state, saved)
-    if "lr" in saved and saved["lr"] != cfg.lr:
-        state = gpt.set_peak_lr(state, cfg.lr)
-        if run.main:
-            print(
-                f"ftrain train: --resume: --lr {saved['lr']!r} -> {cfg.lr!r}: the optimizer "
-                f"continues with peak learning rate {cfg.lr!r} (its schedule keeps its shape and "
-                "position)",
-                file=sys.stderr,
-            )
-    if len(meta["extra"].get("loaders", [])) > 1:  # per-process positions: an older ftrain's
-        raise SystemExit(
-            f"ftrain train: --resume: {latest} holds one data position per process, from an "
-            "ftrain whose sample order depended on the number of processes; this one cannot "
-            "continue it. Start a new --out from its state (ft.load) instead."
-        )
+    state = resume.load_checked(latest, meta, cfg, state, run.world, run.main)
     run.recipe.loader.load_state_dict(meta["extra"]["loader"])  # global: the same on every rank
     start = int(state.step)
     if run.main:
         print(f"ftrain train: resumed from {latest} (step {start})")
     return state, start
-
-
-def _load_state(latest: Path, meta: dict, like: ft.TrainState, saved: dict) -> ft.TrainState:
-    """The checkpoint's state. A checkpoint written before the recipe injected its peak learning
-    rate holds the optimizer's state without the ``inject_hyperparams`` layer: it is loaded as
-    that inner state and wrapped, with the peak it was trained with."""
-    if "hyperparams" in meta["tree"]["opt_state"]:
-        return ft.load(latest, like=like)
-    inner = ft.load(latest, like=like.replace(opt_state=like.opt_state["inner_state"]))
-    opt_state = like.opt_state.clone()
-    opt_state["count"] = inner.step.clone()  # the updates applied so far
-    opt_state["hyperparams", "learning_rate"].fill_(saved.get("lr", 0.0))
-    opt_state["inner_state"] = inner.opt_state
-    return inner.replace(opt_state=opt_state)
-
-
-def _check_global_batch(cfg: TrainConfig, saved: dict, meta: dict, world: int) -> None:
-    """A resumed run may have another number of processes (the sample order is global), but the
-    same global batch: refuse another one, naming the flag that keeps it."""
-    was = meta["extra"].get("world_size", 1)
-    then = saved.get("batch_size", cfg.batch_size) * saved.get("micro_batches", 1) * was
-    now = cfg.batch_size * cfg.micro_batches * world
-    if then != now:
-        raise SystemExit(
-            f"ftrain train: --resume: the checkpoint's global batch is {then} rows a step "
-            f"({saved.get('micro_batches', 1)} micro-batch(es) x {was} process(es)), this run's "
-            f"is {now} ({cfg.micro_batches} x {world}); the run would not continue as it would "
-            f"have. Pass --global-batch-size {then} (micro-batches are then set for {world} "
-            "process(es))."
-        )
-
-
-# Settings that fix the model, the data or the random stream: a run cannot continue exactly
-# with another value. The others (lr, max_steps, logging, ...) may change on --resume.
-RESUME_FIXED = ("seed", "seq_len", "d_model", "n_layer", "n_head", "bias", "n_experts", "top_k",
-                "batch_size", "data_dir", "model_dir", "data", "pack")  # fmt: skip
-_NOT_COMPARED = ("out", "resume", "config", "progress")
-
-
-def _check_resumed_config(cfg: TrainConfig, saved: dict[str, Any], main: bool) -> None:
-    """On --resume: a setting of RESUME_FIXED that differs from the checkpoint's is a usage error
-    (exit 2) naming each, saved and new value; other changes get a one-line note on stderr."""
-    now = cfg.to_dict()
-    diff = {
-        k: (saved[k], now[k])
-        for k in now
-        if k in saved and k not in _NOT_COMPARED and saved[k] != now[k]
-    }
-    fixed = [f"--{flag_name(k)} {a!r} -> {b!r}" for k, (a, b) in diff.items() if k in RESUME_FIXED]
-    if fixed:
-        print(
-            f"ftrain train: error: --resume: these settings differ from the checkpoint's and "
-            f"would not continue the same run: {', '.join(fixed)} (saved -> new); resume with "
-            f"the saved values, or train into another --out for a new run",
-            file=sys.stderr,
-        )
-        raise SystemExit(2)
-    # A changed --lr is set in the optimizer state, and said so, by _restore.
-    changed = [f"--{flag_name(k)} {a!r} -> {b!r}" for k, (a, b) in diff.items() if k != "lr"]
-    if changed and main:
-        print(
-            f"ftrain train: note: --resume with changed settings: {', '.join(changed)}",
-            file=sys.stderr,
-        )
 
 
 # -- the steps ----------------------------------------------------------------------------------
@@ -248,9 +182,12 @@ def _train_steps(
 class _Report:
     """Where a log step's numbers go: metrics.jsonl and the progress bar (rank 0 only)."""
 
-    def __init__(self, run: _Run, log: rundir.MetricsLog | None, start: int):
+    def __init__(
+        self, run: _Run, log: rundir.MetricsLog | None, start: int, sinks: Sequence[Sink] = ()
+    ):
         cfg = run.cfg
         self.log = log
+        self.sinks = list(sinks)  # besides metrics.jsonl
         self.bar = None
         if run.main and cfg.progress:
             from tqdm.auto import tqdm
@@ -271,6 +208,8 @@ class _Report:
         self.t_log, self.step_at_log = now, n
         if self.log is not None:
             self.log.write(rec)
+        for sink in self.sinks:
+            sink.log(n, {k: v for k, v in rec.items() if k != "step"})
         if self.bar is not None:
             self.bar.set_postfix(
                 loss=f"{self.last['loss']:.3f}",
@@ -279,10 +218,14 @@ class _Report:
             )
 
     def validation(self, n: int, val: float) -> None:
-        self.log.write({"step": n, "val_loss": val})
-        self.last["val_loss"] = val
+        rec = {"val_loss": val, "val_perplexity": math.exp(min(val, 700.0))}  # exp: no overflow
+        self.log.write({"step": n, **rec})
+        for sink in self.sinks:
+            sink.log(n, rec)
+        self.last.update(rec)
         if self.bar is not None:
-            self.bar.write(f"step {n}: validation loss {val:.4f}")
+            ppl = rec["val_perplexity"]
+            self.bar.write(f"step {n}: validation loss {val:.4f}, perplexity {ppl:.2f}")
 
     def advance(self) -> None:
         if self.bar is not None:
@@ -291,12 +234,18 @@ class _Report:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+            self.bar = None
+
+    def close_sinks(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
 
 
 def _eval_params(run: _Run, state: ft.TrainState):
     """The whole params to evaluate and sample with (``gpt.eval_params``). Every process calls
     it: the params are gathered, and the optimizer state too when the eval params need it."""
-    if run.cfg.optimizer in gpt.SCHEDULE_FREE:
+    if run.cfg.optimizer in gpt.SCHEDULE_FREE or run.cfg.lora_rank:  # LoRA: merged
         return gpt.eval_params(run.cfg, unshard_state(state))
     return unshard(state.params)
 
@@ -380,8 +329,8 @@ def _outputs(
     the lines printed; returns ``summary`` with the validation loss."""
     cfg, out, last, model = run.cfg, run.out, report.last, run.recipe.model
     if "val_loss" not in last and cfg.eval_every:
-        last["val_loss"] = summary["val_loss"] = evaluate(model, params, run.recipe.valid, cfg)
-        report.log.write({"step": step, "val_loss": last["val_loss"]})
+        report.validation(step, evaluate(model, params, run.recipe.valid, cfg))
+        summary.update(val_loss=last["val_loss"], val_perplexity=last["val_perplexity"])
     rundir.plot_losses(report.log.records(), out / "loss.png")
     text = ""
     if cfg.sample_tokens:

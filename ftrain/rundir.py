@@ -100,6 +100,13 @@ class MetricsLog:
         with self.path.open("a") as fh:
             fh.write(json.dumps(record) + "\n")
 
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        """The sink interface (``ftrain.sinks.Sink``): ``{"step": step, **scalars}`` as a line."""
+        self.write({"step": step, **scalars})
+
+    def close(self) -> None:
+        """Nothing to release: each line is written and closed at once."""
+
     def records(self) -> list[dict[str, Any]]:
         """Every record, in the order written."""
         if not self.path.exists():

@@ -26,15 +26,10 @@ from typing import Any
 
 import torch
 from tensordict import TensorDictBase
-from torch.multiprocessing.reductions import StorageWeakRef
-
-# TorchDispatchMode is the extension point torch documents for __torch_dispatch__ modes, from a
-# module still named private; tree_leaves has no public home in torch 2.13 (torch.utils.pytree).
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from ftrain import dynamo, rng, tree
 from ftrain.distributed import DistributedError, run_distributed
+from ftrain.memory.tracker import LiveBytes
 from ftrain.state import TrainState
 from ftrain.step import Step
 from ftrain.transforms.compile import Compile
@@ -48,6 +43,7 @@ __all__ = [
     "saved_bytes",
     "track_allocations",
     "AllocationPeak",
+    "peak_bytes",
     "max_rel_error",
     "run_distributed",
     "DistributedError",
@@ -244,46 +240,6 @@ def assert_one_graph(step: Step, state: TrainState, batch: Any) -> torch.fx.Grap
 # -- memory kept for backward -----------------------------------------------------------------
 
 
-class _AllocationRecorder(TorchDispatchMode):
-    """Records a weak reference and the size of every storage an op allocates.
-
-    An output whose storage is also one of the op's inputs (a view, an in-place or ``out=`` op)
-    allocated nothing and is not recorded, so tensors that existed before (params, the batch) are
-    never counted, whatever views of them the forward takes.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.storages: dict[int, tuple[StorageWeakRef, int]] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {
-            _storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
-        }
-        for t in tree_leaves(out):
-            if not isinstance(t, torch.Tensor):
-                continue
-            key = _storage_key(t)
-            if key is None or key in inputs or key in self.storages:
-                continue
-            storage = t.untyped_storage()
-            self.storages[key] = (StorageWeakRef(storage), storage.nbytes())
-        return out
-
-    def alive_bytes(self) -> int:
-        return sum(n for ref, n in self.storages.values() if not ref.expired())
-
-
-def _storage_key(t: torch.Tensor) -> int | None:
-    """The address of the tensor's StorageImpl: the same for every view of one storage, and never
-    reused while a :class:`StorageWeakRef` to it is held (the weak reference keeps the object)."""
-    try:
-        return StorageWeakRef(t.untyped_storage()).cdata
-    except (RuntimeError, NotImplementedError, TypeError):  # sparse, nested, wrapper subclasses
-        return None
-
-
 def saved_bytes(fn: Callable[..., Any], *args, **kwargs) -> int:
     """Bytes of the storages allocated by the ops of ``fn(*args, **kwargs)`` that are still alive
     after it returns, while its result is held.
@@ -297,11 +253,11 @@ def saved_bytes(fn: Callable[..., Any], *args, **kwargs) -> int:
 
     Runs ``fn`` under a ``TorchDispatchMode``, so ops run eagerly and a bit slower.
     """
-    recorder = _AllocationRecorder()
+    recorder = LiveBytes(fresh_only=True)
     with recorder:
         result = fn(*args, **kwargs)
     gc.collect()
-    total = recorder.alive_bytes()
+    total = recorder.live
     del result
     return total
 
@@ -334,7 +290,7 @@ def saved_activation_bytes(step: Step, state: TrainState, batch: Any) -> int:
 
     def forward():
         leaves = [p.detach().requires_grad_(True) for p in tree.leaves(state.params)]
-        return step.forward(tree.unflatten(state.params, leaves), micro)
+        return step.forward(tree.unflatten(state.params, leaves), micro, state)
 
     with rng.seeded(rng.step_seed(state), device), step.around_step(state):
         return saved_bytes(forward)
@@ -344,18 +300,18 @@ def _compiled(step: Step) -> bool:
     return any(isinstance(t, Compile) for t in step.transforms)
 
 
-class AllocationPeak(_AllocationRecorder):
+class AllocationPeak(LiveBytes):
     """What :func:`track_allocations` yields: ``peak``, the most bytes of storages allocated
-    inside the block that were alive at once; ``alive_bytes()``, those alive now."""
+    inside the block that were alive at once; ``alive_bytes()``, those alive now. The counter of
+    ``peak_bytes`` and ``ft.memory`` (:class:`~ftrain.memory.tracker.LiveBytes`), counting only
+    storages made inside the block."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self.peak = 0
+        super().__init__(fresh_only=True)
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        self.peak = max(self.peak, self.alive_bytes())  # O(storages) per op: for tests
-        return out
+    def alive_bytes(self) -> int:
+        """Bytes of the storages allocated inside the block and alive now."""
+        return self.live
 
 
 @contextlib.contextmanager
@@ -374,3 +330,42 @@ def track_allocations() -> Iterator[AllocationPeak]:
     recorder = AllocationPeak()
     with recorder:
         yield recorder
+
+
+# -- peak memory of a step --------------------------------------------------------------------
+
+
+def peak_bytes(step: Step, state: TrainState, batch: Any) -> int:
+    """The most bytes alive at once while ``step(state, batch)`` runs for real, eagerly.
+
+    Counted by :class:`ftrain.memory.tracker.LiveBytes`: the storages of ``state`` and ``batch``
+    (a DTensor: its local shard) from the start, plus every storage the step's ops allocate, from
+    its allocation until it is freed, at its allocated size (no allocator rounding or caching:
+    compare with ``torch.cuda.max_memory_allocated`` minus what was allocated before, which
+    rounds each block up to 512 bytes). This is what ``ft.memory(step, state, batch).peak``
+    predicts. ``ft.compile`` is left out (the step runs eagerly); ``state`` is not modified (a
+    donating step gets a copy, counted in its place).
+    """
+    from ftrain.memory.plan import planned_step
+
+    if not isinstance(state, TrainState):
+        raise TypeError(
+            f"peak_bytes(step, state, ...): expected an ft.TrainState, got {type(state).__name__}."
+        )
+    planned_step(step)  # checks the step
+    eager = Step(
+        step.loss_fn,
+        step.optimizer,
+        tuple(t for t in step.transforms if not isinstance(t, Compile)),
+        step.donate,
+    )
+    if step.donate:
+        state = state.clone()
+    live = LiveBytes()
+    live.hold((tree.leaves(state.params), tree.leaves(state.opt_state), tree.leaves(state.extra)))
+    live.hold(batch)
+    with live:
+        out = eager(state, batch)
+    del out
+    gc.collect()
+    return live.peak

@@ -94,6 +94,17 @@ def tiny_hf_dir(folder: str | Path, kind: str = "gpt2", *, seed: int = 0) -> Pat
     return folder
 
 
+def arithmetic_chats(n: int = 60) -> list[dict]:
+    """``n`` one-turn chats (a user's sum, the assistant's answer): data a tiny model learns."""
+    return [
+        {"messages": [
+            {"role": "user", "content": f"what is {i} plus {i}?"},
+            {"role": "assistant", "content": f"{i} plus {i} is {2 * i}."},
+        ]}
+        for i in range(n)
+    ]  # fmt: skip
+
+
 def write_jsonl(path: str | Path, records: list) -> Path:
     """``records`` one JSON value a line (a str record is written as it is: a bad line)."""
     path = Path(path)

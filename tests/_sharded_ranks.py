@@ -8,6 +8,7 @@ files and the checkpoints left in ``root``:
     <opt>-whole      the reference: saved whole by one process (opt: adamw, adamw8bit, adafactor)
     <opt>-fsdp2      saved sharded by 2 ranks under fsdp (and <opt>-fsdp2-bg in the background)
     <opt>-zero1-2    saved by 2 ranks under zero1 (params whole, optimizer state sharded)
+    <opt>-ddp-2, <opt>-zero2-2   saved by 2 ranks under ddp (by rank 0) and zero2
     <opt>-fsdp3      saved by 3 ranks under fsdp (uneven rows: 22/22/20)
     run/             checkpoint-2 whole, and what a save killed on rank 1 left (a .tmp- directory)
 """
@@ -98,19 +99,29 @@ def on_two(root: str) -> None:
             "whole": whole_bytes,
             "biggest": biggest,
         }
-        ft.save(shard_state(whole, "zero1"), f"{root}/{opt}-zero1-2")
+        ddp = shard_state(whole, "ddp")  # every process: laying out a state is a collective
+        if rank == 0:  # a ddp state is whole on every process: one of them saves it
+            ft.save(ddp, f"{root}/{opt}-ddp-2")
+        for strategy in ("zero1", "zero2"):  # sharded states: every process saves its pieces
+            ft.save(shard_state(whole, strategy), f"{root}/{opt}-{strategy}-2")
         torch.distributed.barrier()  # the reference is on disk
-        fresh = whole_state(opt, steps=0)
-        for src in ("whole", "fsdp2", "fsdp2-bg"):
-            for strategy in STRATEGIES:
-                like = shard_state(fresh, strategy)
-                got = ft.load(f"{root}/{opt}-{src}", like=like)
-                found["loads"][f"{opt} {src} -> 2 {strategy}"] = {
-                    "differs": differing(unshard_state(got), whole),
-                    "layout": layouts(got) == layouts(like),
-                }
+        _load_each_way(found, root, opt, ("whole", "fsdp2", "fsdp2-bg"), whole, world=2)
     found["columns"] = _columns(root, whole_state("adamw"))
     _report(root, "two", found)
+
+
+def _load_each_way(found: dict, root: str, opt: str, sources, reference, world: int) -> None:
+    """Load each saved ``{opt}-{src}`` onto this world under every strategy; record whether the
+    gathered result differs from ``reference`` and whether the layout is ``like``'s."""
+    fresh = whole_state(opt, steps=0)
+    for src in sources:
+        for strategy in STRATEGIES:
+            like = shard_state(fresh, strategy)
+            got = ft.load(f"{root}/{opt}-{src}", like=like)
+            found["loads"][f"{opt} {src} -> {world} {strategy}"] = {
+                "differs": differing(unshard_state(got), reference),
+                "layout": layouts(got) == layouts(like),
+            }
 
 
 def _columns(root: str, whole: ft.TrainState) -> dict:
@@ -142,28 +153,21 @@ def on_three(root: str) -> None:
     found: dict = {"loads": {}}
     for opt in OPTS:
         reference = ft.load(f"{root}/{opt}-whole")
-        fresh = whole_state(opt, steps=0)
-        for src in ("fsdp2", "zero1-2"):
-            for strategy in STRATEGIES:
-                like = shard_state(fresh, strategy)
-                got = ft.load(f"{root}/{opt}-{src}", like=like)
-                found["loads"][f"{opt} {src} -> 3 {strategy}"] = {
-                    "differs": differing(unshard_state(got), reference),
-                    "layout": layouts(got) == layouts(like),
-                }
+        sources = ("fsdp2", "ddp-2", "zero1-2", "zero2-2")
+        _load_each_way(found, root, opt, sources, reference, world=3)
         ft.save(shard_state(reference, "fsdp"), f"{root}/{opt}-fsdp3")  # uneven: 22/22/20 rows
     _report(root, "three", found)
     # A rank killed while writing its file: the run folder keeps its previous checkpoint.
     state = shard_state(ft.load(f"{root}/adamw-whole"), "fsdp")
     ft.save_checkpoint(f"{root}/run", state)
     if torch.distributed.get_rank() == 1:
-        real = tensorfile.write
+        real = tensorfile.write_lazy  # what a sharded save writes each rank's file with
 
-        def half_then_die(file, tensors, metadata=None):
-            real(file, tensors, metadata)
+        def half_then_die(file, specs, get, metadata=None):
+            real(file, specs, get, metadata)
             with open(file, "r+b") as f:
                 f.truncate(os.path.getsize(file) // 2)
             os._exit(9)
 
-        tensorfile.write = half_then_die
+        tensorfile.write_lazy = half_then_die
     ft.save_checkpoint(f"{root}/run", state.replace(step=state.step + 1))

@@ -133,6 +133,14 @@ def vmap_members(opt, k=2):
     ]
 
 
+def lora_setup(make_opt):
+    """ft.lora on ``gpt(bias=False)``: ``(model, lora, step, state)`` (test_transforms_lora.py)."""
+    model = gpt(bias=False)
+    lora = ft.lora(model, rank=2, alpha=4.0, targets=["attn.qkv", "mlp.fc"])
+    step = lora(ft.train_step(lm_loss(model), make_opt()))
+    return model, lora, step, lora.init_state(ft.params_of(model), make_opt(), seed=0)
+
+
 def run(step, state, data, rank=None):
     for b in data:
         state, metrics = step(state, b if rank is None else rows_of(b, rank))
@@ -319,4 +327,10 @@ def on_two_ranks(tmp: str) -> dict:
         shard(ft.dp_sgd(ft.train_step(lm_loss(model), sgd()), DP_CLIP, DP_NOISE), "fsdp")
     except ValueError as e:
         errors["dp_sgd with fsdp"] = str(e)
+
+    # 10. ft.lora: the adapters trained, the frozen base in state.extra (test_transforms_lora.py)
+    for strategy in STRATEGIES:
+        _, _, step, state = lora_setup(sgd)
+        state, _ = run(shard(step, strategy), shard_state(state, strategy), data, rank)
+        out["lora", strategy] = whole(unshard_state(state))
     return out

@@ -3,11 +3,13 @@ new forwards while the original module and every submodule stay exactly as they 
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
 import ftrain as ft
-from ftrain.blocks import find_blocks, replace_forwards
+from ftrain.blocks import find_blocks, in_mode, replace_forwards
 from ftrain.models import Block
 from ftrain.modules import copy_module
 
@@ -140,3 +142,30 @@ def test_copy_module_is_a_new_object_holding_the_same_tables():
     idx = tokens()
     params = ft.params_of(model)
     assert torch.equal(ft.apply(copy, params, idx), ft.apply(model, params, idx))
+
+
+def test_a_later_rewrite_reaches_inside_an_earlier_replaced_forward():
+    # fsdp replaces the root's forward, then ft.checkpoint replaces the blocks' forwards: the
+    # root's new forward must run the replaced blocks, not the blocks as they were
+    torch.manual_seed(0)
+    chain = Chain(2)
+    x = torch.randn(3, 16)
+    b0, b1 = chain.blocks
+    first = replace_forwards(chain, [(chain, plus_one)])
+    second = replace_forwards(first, [(b, doubled) for b in find_blocks(first)])
+    torch.testing.assert_close(second(x), 2 * b1(2 * b0(x)) + 1, rtol=0, atol=0)
+    torch.testing.assert_close(first(x), chain(x) + 1, rtol=0, atol=0)  # left as it was
+
+
+def test_in_mode_reaches_inside_a_replaced_forward():
+    # evaluation (ftrain.evaluate) sets eval mode on the rewritten copy, e.g. fsdp's, whose root
+    # forward runs an inner copy: dropout inside it must be off too
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 8))
+    x = torch.randn(4, 8)
+    expected = copy.deepcopy(model).eval()(x) + 1
+    replaced = replace_forwards(model, [(model, plus_one)])
+    evaluated = in_mode(replaced, training=False)
+    torch.testing.assert_close(evaluated(x), expected, rtol=0, atol=0)
+    assert not any(m.training for m in evaluated.modules())
+    assert replaced.training and all(m.training for m in model.modules())  # left as they were

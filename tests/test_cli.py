@@ -59,7 +59,7 @@ def test_bad_sample_flags_get_usage_errors(argv, tmp_path, capsys):
 def test_a_command_is_required(capsys):
     with pytest.raises(SystemExit) as e:
         parser().parse_args([])
-    assert e.value.code == 2 and "{train,sample,consolidate}" in capsys.readouterr().err
+    assert e.value.code == 2 and "{train,sample,consolidate,export}" in capsys.readouterr().err
 
 
 def test_sample_from_a_damaged_checkpoint_is_a_message(tmp_path, tiny_run, capsys):

@@ -1,6 +1,8 @@
 """Tests for ftrain.data.documents: text files, folders, JSON Lines and Parquet as documents, bad
 data reported with its file and line."""
 
+import json
+
 import pytest
 
 from ftrain import data
@@ -35,6 +37,18 @@ def test_jsonl_text_and_chat_records_and_bad_lines_with_their_line(tmp_path):
     ]
     for doc, (reason, problem) in zip(docs[2:], want, strict=True):
         assert doc.skip == reason and problem in doc.problem, doc
+
+
+def test_jsonl_lines_end_at_newlines_only(tmp_path):
+    """A JSON string may hold U+2028, U+0085 or a form feed unescaped: the record stays one
+    document, and the line numbers count newlines; CRLF line ends are read too."""
+    f = tmp_path / "d.jsonl"
+    texts = ["a\u2028b", "c\x85d\x0ce", "f"]
+    f.write_bytes("\r\n".join(json.dumps({"text": t}, ensure_ascii=False) for t in texts).encode())
+    docs = _docs(f)
+    assert [(d.name, d.text, d.skip) for d in docs] == [
+        (f"{f}:{n}", t, None) for n, t in enumerate(texts, start=1)
+    ]
 
 
 def test_text_files_folders_and_empty_files(tmp_path):

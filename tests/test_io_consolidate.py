@@ -12,7 +12,7 @@ import torch
 
 import ftrain as ft
 from ftrain.cli import main
-from ftrain.io.consolidate import parse_size
+from ftrain.units import parse_bytes
 
 from _tiny import tiny_gpt
 
@@ -78,7 +78,10 @@ def test_ftrain_consolidate_reads_a_run_folders_newest_checkpoint(sharded_checkp
     assert main(["consolidate", "--run", str(tmp_path / "nothing"), "--out", str(out)]) == 1
 
 
-def test_parse_size():
+def test_max_shard_size_is_read_by_the_one_byte_size_parser():
+    def parse_size(size):
+        return parse_bytes(size, "max_shard_size")
+
     assert parse_size(1000) == parse_size("1000") == parse_size("1KB") == 1000
     assert parse_size("1.5GiB") == 3 * 2**29 and parse_size("5gb") == 5 * 10**9
     for bad in ("", "5 apples", 0, "-1GB"):

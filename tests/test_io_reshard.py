@@ -18,7 +18,7 @@ from _tiny import tiny_gpt
 
 
 def test_fsdp_checkpoint_of_2_ranks_loads_on_2_and_3_under_every_strategy(sharded_checkpoints):
-    """Saved under fsdp on 2 ranks (and zero1, and whole by one process), loaded with ``like`` laid
+    """Saved under fsdp on 2 ranks (and ddp, zero1, zero2, and whole by one process), loaded with ``like`` laid
     out by each strategy on 2 and 3 ranks: the layout is ``like``'s and ``unshard_state`` of the
     result equals the saved state bit for bit, for adamw, adamw8bit and adafactor states (ema
     and loss scale included)."""
@@ -28,8 +28,8 @@ def test_fsdp_checkpoint_of_2_ranks_loads_on_2_and_3_under_every_strategy(sharde
         for what, res in found[name]["loads"].items():
             assert res == {"differs": [], "layout": True}, (name, what)
             checked += 1
-    # 3 optimizers x (3 sources on 2 ranks x 2 ranks + 2 sources on 3 ranks x 3 ranks) x 4
-    assert checked == 3 * (3 * 2 + 2 * 3) * 4
+    # 3 optimizers x (3 sources on 2 ranks x 2 ranks + 4 sources on 3 ranks x 3 ranks) x 4
+    assert checked == 3 * (3 * 2 + 4 * 3) * 4
 
 
 def test_index_and_shards_that_disagree_are_refused_naming_file_and_key(

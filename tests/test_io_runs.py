@@ -220,3 +220,11 @@ def test_kill_9_at_random_moments_always_leaves_a_valid_checkpoint(tmp_path):
         watchdog.cancel()
         zygote.kill()
         zygote.wait()
+
+
+def test_save_checkpoint_refuses_extra_beside_a_snapshot(tmp_path):
+    from ftrain.io.checkpoint import snapshot
+
+    state = ft.TrainState.create(ft.params_of(torch.nn.Linear(2, 2)), ft.optim.sgd(0.1))
+    with pytest.raises(ValueError, match=r"a Snapshot carries its extra already"):
+        ft.save_checkpoint(tmp_path, snapshot(state, {"a": 1}), extra={"b": 2})

@@ -24,3 +24,15 @@ def test_saver_waits_for_the_previous_save_and_raises_its_error(tmp_path):
         "checkpoint-2",
         "checkpoint-3",
     ]
+
+
+def test_a_failed_save_is_reported_when_leaving_on_another_error(tmp_path):
+    """Leaving the block on an error keeps that error and warns that the last save failed."""
+    state = whole_state("adamw", steps=1)
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "notes.txt").write_text("mine")
+    with pytest.warns(RuntimeWarning, match="the last save failed too"):
+        with pytest.raises(KeyError, match="the step's own error"):
+            with ft.Saver() as saver:
+                saver.save(state, tmp_path / "taken")
+                raise KeyError("the step's own error")

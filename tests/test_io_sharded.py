@@ -21,7 +21,7 @@ def test_sharded_checkpoints_load_whole_on_one_process(sharded_checkpoints):
         reference = ft.load(f"{root}/{opt}-whole")
         keys = reference.to_tensordict().flatten_keys(".").keys()
         assert "extra.ema.wte.weight" in keys and "extra.loss_scale.scale" in keys
-        for src in ("fsdp2", "fsdp3", "zero1-2"):
+        for src in ("fsdp2", "fsdp3", "ddp-2", "zero1-2", "zero2-2"):
             assert differing(ft.load(f"{root}/{opt}-{src}"), reference) == [], (opt, src)
             like = whole_state(opt, steps=0)
             assert differing(ft.load(f"{root}/{opt}-{src}", like=like), reference) == []
@@ -41,7 +41,7 @@ def test_sharded_checkpoints_load_whole_on_one_process(sharded_checkpoints):
 def test_a_sharded_save_holds_only_this_ranks_pieces(sharded_checkpoints):
     """Measured with ``track_allocations``: a blocking sharded save of a CPU state allocates
     (almost) nothing; a background one copies this rank's shards (plus the few whole tensors
-    rank 0 writes); gathering the state whole to save it, as before, costs the whole state."""
+    rank 0 writes); gathering the state whole to save it (a save unaware of shards) costs the whole state."""
     _, found = sharded_checkpoints
     for name in ("two0", "two1"):
         for opt, m in found[name]["memory"].items():

@@ -11,12 +11,13 @@ nbclient = pytest.importorskip("nbclient")
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
 
 
-def test_there_are_four_notebooks():
+def test_there_are_five_notebooks():
     assert [p.name for p in NOTEBOOKS] == [
         "01_quickstart.ipynb",
         "02_transforms.ipynb",
         "03_optimizers.ipynb",
         "04_ensembles.ipynb",
+        "05_memory.ipynb",
     ]
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import ftrain as ft
-from ftrain import optim
+from ftrain import optim, recipes
 from ftrain.cli import main, parser
 from ftrain.config import TrainConfig, from_args
 from ftrain.recipes import gpt
@@ -166,7 +166,7 @@ def test_sample_reads_a_checkpoint_whose_settings_this_version_lacks(tmp_path):
     state = ft.TrainState.create(ft.params_of(gpt.build_model(cfg)), opt)
     settings = {**cfg.to_dict(), "a_setting_of_a_later_version": 1}
     ft.save_checkpoint(tmp_path / "run", state, extra={"config": settings})
-    text = gpt.sample(tmp_path / "run", "def ", 6, temperature=0.8, top_k=50)
+    text = recipes.sample(tmp_path / "run", "def ", 6, temperature=0.8, top_k=50)
     assert text == gpt.sample_text(gpt.build_model(cfg), state.params, "def ", 6)
 
 
@@ -224,7 +224,7 @@ def test_schedule_free_trains_y_and_evaluates_and_samples_at_x(tmp_path, tiny_ru
     val = [r["val_loss"] for r in records if "val_loss" in r]
     assert val == [evaluate(recipe.model, x, recipe.valid, cfg)]
     assert val[0] != evaluate(recipe.model, y, recipe.valid, cfg)
-    text = gpt.sample(out, "def ", 8, temperature=0.8, top_k=50)
+    text = recipes.sample(out, "def ", 8, temperature=0.8, top_k=50)
     assert text == gpt.sample_text(recipe.model, x, "def ", 8)
     assert gpt.eval_params(_config(tiny_run), state) is y  # other optimizers: the train params
 

@@ -14,28 +14,20 @@ from ftrain import data
 from ftrain.cli import main
 from ftrain.config import TrainConfig
 
-from _hf import EOS, IM_END, tiny_hf_dir, write_jsonl
+from _hf import EOS, IM_END, arithmetic_chats, tiny_hf_dir, write_jsonl
 
 pytest.importorskip("transformers")
 
 from ftrain.recipes import hf  # noqa: E402
 
 
-def _chats(n=60):
-    return [
-        {"messages": [
-            {"role": "user", "content": f"what is {i} plus {i}?"},
-            {"role": "assistant", "content": f"{i} plus {i} is {2 * i}."},
-        ]}
-        for i in range(n)
-    ]  # fmt: skip
-
-
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     """A tiny GPT-2 and a tiny Llama folder, and a chat JSONL with two bad lines."""
     root = tmp_path_factory.mktemp("hf")
-    d = write_jsonl(root / "chats.jsonl", [*_chats(), "{oops", {"prompt": "no text field"}])
+    d = write_jsonl(
+        root / "chats.jsonl", [*arithmetic_chats(), "{oops", {"prompt": "no text field"}]
+    )
     return tiny_hf_dir(root / "gpt2", "gpt2"), tiny_hf_dir(root / "llama", "llama"), d
 
 
@@ -99,7 +91,7 @@ def test_packed_llama_run_resumes_bit_exactly(folders, tmp_path):
 def test_only_the_assistants_tokens_get_a_gradient(folders, tmp_path):
     gpt2, _, _ = folders
     tok = data.load_tokenizer(gpt2)
-    chat = _chats(1)[0]["messages"]
+    chat = arithmetic_chats(1)[0]["messages"]
     data.build_token_dataset(
         [write_jsonl(tmp_path / "one.jsonl", [{"messages": chat}])],
         tmp_path / "b",

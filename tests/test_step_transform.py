@@ -16,6 +16,7 @@ import itertools
 
 import pytest
 import torch
+from tensordict import TensorDict
 from torch import nn
 
 import ftrain as ft
@@ -551,3 +552,29 @@ def test_a_builtin_transform_of_a_plain_function_is_refused(transform):
 
     with pytest.raises(TypeError, match=r"expected an ft\.Step, got function.*ft\.train_step"):
         transform(my_step)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Frozen(ft.Transform):
+    """Hands the loss function ``params`` plus a frozen ``b`` kept in ``state.extra``."""
+
+    def loss_params(self, params, state):
+        both = params.clone(recurse=False)
+        both["b"] = state.extra["frozen"]
+        return both
+
+
+def test_loss_params_adds_what_the_loss_uses_but_the_step_does_not_differentiate():
+    x, y = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([0.5, -1.0, 2.0])
+    w, b = torch.tensor([0.3, -0.2, 0.1]), torch.tensor([1.0, 0.0, -1.0])
+
+    def loss_fn(params, batch):
+        return ((params["w"] * batch[0] + params["b"] - batch[1]) ** 2).sum()
+
+    opt = optim.sgd(0.1)
+    state = ft.TrainState.create(TensorDict({"w": w}, []), opt)
+    state = state.replace(extra=TensorDict({"frozen": b}, []))
+    new, _ = Frozen()(ft.train_step(loss_fn, opt))(state, (x, y))
+    grad = 2 * (w * x + b - y) * x  # by hand: d/dw of the summed squares
+    assert torch.allclose(new.params["w"], w - 0.1 * grad)
+    assert list(new.params.keys()) == ["w"] and torch.equal(new.extra["frozen"], b)

@@ -102,7 +102,9 @@ def read_documents(source: Path | tuple[str, str]) -> Iterator[Document]:
 
 
 def _read_jsonl(name: str, text: str) -> Iterator[Document]:
-    for n, line in enumerate(text.splitlines(), start=1):
+    # Lines end at "\n" only: str.splitlines() would also cut at U+2028 or U+0085, which a JSON
+    # string may hold unescaped, splitting one record in two.
+    for n, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         where = f"{name}:{n}"

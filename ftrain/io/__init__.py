@@ -5,7 +5,8 @@ layout       how a TrainState maps onto tensor files and a JSON tree
 meta         meta.json: its checksum, the sha256 of every tensor file
 tensorfile   a safetensors file written one tensor at a time, hashed on the way
 checkpoint   save / load / verify one checkpoint directory (safetensors + JSON, no pickle)
-sharded      each process writes its own pieces + one index; loads onto any world size and layout
+sharded      each process writes its own pieces + one index
+reshard      any checkpoint, whole or sharded, read onto any world size and layout
 background   SaveHandle: a save written from a background thread
 saver        Saver: one background save at a time, each waiting for the one before
 consolidate  whole-tensor params from any checkpoint, in Hugging Face's (sharded) layout

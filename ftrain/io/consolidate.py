@@ -25,30 +25,12 @@ from ftrain.io import atomic, reshard, tensorfile
 from ftrain.io.checkpoint import load_meta
 from ftrain.io.layout import CheckpointError
 from ftrain.io.runs import latest_checkpoint
+from ftrain.units import parse_bytes
 
-__all__ = ["INDEX_FILE", "SINGLE_FILE", "consolidate", "parse_size"]
+__all__ = ["INDEX_FILE", "SINGLE_FILE", "consolidate"]
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20,
-          "GIB": 2**30}  # fmt: skip
-
-
-def parse_size(size: int | str) -> int:
-    """Bytes in ``size``: an int, or a string such as ``"5GB"``, ``"500MiB"``, ``"1000"``."""
-    if isinstance(size, int) and not isinstance(size, bool):
-        n = size
-    else:
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*", str(size), re.IGNORECASE)
-        if not m:
-            raise ValueError(
-                f"max_shard_size={size!r}: expected bytes as an int or a string like '5GB', "
-                "'500MiB' (units B, KB, MB, GB, KiB, MiB, GiB)."
-            )
-        n = int(float(m[1]) * _UNITS[(m[2] or "").upper()])
-    if n < 1:
-        raise ValueError(f"max_shard_size={size!r}: must be at least 1 byte.")
-    return n
 
 
 def consolidate(
@@ -66,7 +48,7 @@ def consolidate(
     (it may not hold anything but such files). Returns the tensor files written, in order.
     Runs in one process; holds one whole tensor at a time.
     """
-    limit = parse_size(max_shard_size)
+    limit = parse_bytes(max_shard_size, "max_shard_size")
     path = Path(path)
     if path.is_dir() and not (path / "meta.json").exists():
         latest = latest_checkpoint(path)

@@ -62,6 +62,11 @@ def save_checkpoint(
         raise ValueError(
             f"ft.save_checkpoint(keep=...): keep must be an int >= 1 or None, got {keep!r}."
         )
+    if isinstance(state, Snapshot) and extra is not None:
+        raise ValueError(
+            "ft.save_checkpoint(snapshot, extra=...): a Snapshot carries its extra already; pass "
+            "extra to ftrain.io.checkpoint.snapshot(state, extra) instead."
+        )
     run_dir = Path(run_dir)
     snap = state if isinstance(state, Snapshot) else snapshot(state, extra)
     main = snap.plan is None or dist.get_rank(group) == 0

@@ -16,6 +16,7 @@ run. The next save waits for the one before it, and raises its error if it faile
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -97,8 +98,13 @@ class Saver:
     def __exit__(self, *exc) -> None:
         if exc[0] is None:
             self.wait()
-        else:  # already failing: wait without hiding the first error
+        else:  # already failing: wait without hiding the first error, but say the save failed
             try:
                 self.wait()
-            except Exception:  # noqa: BLE001
-                pass
+            except Exception as e:  # noqa: BLE001
+                warnings.warn(
+                    f"ft.Saver: the last save failed too ({e!r}); the checkpoint before it is "
+                    "the newest whole one.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )

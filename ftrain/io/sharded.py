@@ -132,7 +132,7 @@ class Plan:
 
     tree: dict
     tensors: dict[str, dict]  # key -> {"dtype", "shape", "mesh", "placements"}
-    mine: dict[str, torch.Tensor]  # key -> this process's piece (a CPU tensor)
+    mine: dict[str, torch.Tensor]  # key -> this process's piece (on the state's device)
     boxes: dict[str, list[list[int]]]  # key -> [offsets, sizes] of that piece
     step: int
 
@@ -157,7 +157,8 @@ def host_copies(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def plan(state: TrainState) -> Plan:
     """The :class:`Plan` of ``state`` for this process. Its pieces are views of the state's local
-    tensors on the CPU (no copy); tensors on an accelerator are copied to the host."""
+    tensors (no copy, on their device): :func:`write` copies an accelerator's pieces to the host
+    one at a time, :meth:`Plan.host_copy` all at once (into pinned memory)."""
     tree = tree_of(state)  # refuses what a checkpoint cannot hold, naming it
     tensors, mine, boxes = {}, {}, {}
     for key, t in leaves(state):
@@ -171,7 +172,7 @@ def plan(state: TrainState) -> Plan:
         offsets, sizes, first = box_of(t)
         if first:
             piece = local(t) if is_dtensor(t) else t
-            mine[key] = piece.detach().to("cpu")
+            mine[key] = piece.detach()
             boxes[key] = [offsets, sizes]
     return Plan(tree, tensors, mine, boxes, int(state.step.max()))
 
@@ -213,7 +214,9 @@ def write(p: Plan, path: Path, extra: dict, group=None) -> Path:
     tmp = Path(value)
     name = _file_name(rank, world)
     try:
-        written = ("ok", tensorfile.write(tmp / name, p.mine), p.boxes)
+        specs = {k: (t.dtype, list(t.shape)) for k, t in p.mine.items()}
+        on_host = tensorfile.write_lazy(tmp / name, specs, lambda k: p.mine[k].to("cpu"))
+        written = ("ok", on_host, p.boxes)
     except Exception as e:  # noqa: BLE001
         written = ("error", _error(e), None)
     gathered: list = [None] * world

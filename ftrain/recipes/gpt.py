@@ -2,7 +2,7 @@
 
     ftrain train                                          # this recipe, with its defaults
     ftrain train --precision bf16 --micro-batches 4 --checkpoint-policy blocks
-    ftrain sample --run runs/a --prompt "def "            # sample_text from a run's checkpoint
+    ftrain sample --run runs/a --prompt "def "            # ftrain.recipes.sample: sample_text
 
     from ftrain.config import TrainConfig
     from ftrain.recipes import gpt
@@ -30,21 +30,24 @@ from ftrain import data, optim, rundir
 from ftrain.config import TrainConfig
 from ftrain.models import GPT, GPTConfig, generate
 from ftrain.recipes import corpus
+from ftrain.transforms import Lora
 
 __all__ = [
     "Recipe",
     "SCHEDULE_FREE",
     "build",
     "build_data",
+    "build_lora",
     "build_model",
     "build_optimizer",
     "build_schedule",
+    "build_state",
     "build_step",
     "data_dir",
     "eval_params",
+    "generate_from",
     "make_loss_fn",
     "run_config",
-    "sample",
     "sample_text",
     "set_peak_lr",
 ]
@@ -66,7 +69,7 @@ def build(cfg: TrainConfig, *, rank: int = 0, world: int = 1, quiet: bool = Fals
     loader, valid = build_data(cfg, rank=rank, world=world, quiet=quiet)
     model = build_model(cfg)
     opt = build_optimizer(cfg)
-    state = ft.TrainState.create(ft.params_of(model), opt, seed=cfg.seed)
+    state = build_state(cfg, model, opt)
     step = build_step(cfg, model, opt)
     return Recipe(model, step, step.init_extra(state), loader, valid)
 
@@ -142,6 +145,29 @@ def make_loss_fn(model: GPT):
     return loss_fn
 
 
+def build_lora(cfg: TrainConfig, model: torch.nn.Module) -> Lora | None:
+    """``ft.lora`` on ``model`` as ``--lora-rank/--lora-alpha/--lora-targets`` say, or None
+    (``--lora-rank 0``). A pattern that selects no linear layer is a usage error, raised now."""
+    if not cfg.lora_rank:
+        return None
+    targets = [t.strip() for t in cfg.lora_targets.split(",") if t.strip()]
+    try:
+        return ft.lora(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=targets)
+    except ValueError as e:
+        raise SystemExit(f"ftrain train: --lora-targets {cfg.lora_targets}: {e}") from None
+
+
+def build_state(
+    cfg: TrainConfig, model: torch.nn.Module, opt: optim.GradientTransformation
+) -> ft.TrainState:
+    """The state at step 0: ``model``'s params and ``opt``'s state, or with ``--lora-rank`` the
+    adapters as the params (the model's own frozen in ``state.extra["lora"]``)."""
+    lora = build_lora(cfg, model)
+    if lora is not None:
+        return lora.init_state(ft.params_of(model), opt, seed=cfg.seed)
+    return ft.TrainState.create(ft.params_of(model), opt, seed=cfg.seed)
+
+
 # -- optimizer --------------------------------------------------------------------------------
 def build_schedule(cfg: TrainConfig) -> optim.Schedule:
     """The learning rate by step: a linear warmup to ``cfg.lr``, then the named shape over
@@ -209,11 +235,15 @@ SCHEDULE_FREE = ("schedule_free_adamw",)
 
 def eval_params(cfg: TrainConfig, state: ft.TrainState):
     """The params to evaluate, sample and export with: ``state.params``, or for a schedule-free
-    optimizer the average its state describes (``optim.schedule_free_eval_params``). Pure: the
+    optimizer the average its state describes (``optim.schedule_free_eval_params``), with LoRA
+    adapters folded into the frozen base (``ft.merge_lora``). Pure: the
     state, which checkpoints keep as trained, is not changed. ``state`` must hold whole tensors."""
+    params = state.params
     if cfg.optimizer in SCHEDULE_FREE:
-        return optim.schedule_free_eval_params(state.opt_state, state.params)
-    return state.params
+        params = optim.schedule_free_eval_params(state.opt_state, state.params)
+    if "lora" in state.extra.keys():  # the adapters folded into the frozen base
+        return ft.merge_lora(state.replace(params=params))
+    return params
 
 
 # -- the step ---------------------------------------------------------------------------------
@@ -230,6 +260,9 @@ def build_step(
     last here only so that the composition reads in the order the step is built.
     """
     step = ft.train_step(loss_fn or make_loss_fn(model), opt, donate=True)
+    lora = build_lora(cfg, model)
+    if lora is not None:  # the step's params are the adapters
+        step = lora(step)
     if cfg.precision != "fp32":
         step = ft.autocast(step, {"bf16": torch.bfloat16, "fp16": torch.float16}[cfg.precision])
     if cfg.checkpoint_policy != "none":
@@ -245,7 +278,8 @@ def build_step(
 
 # -- text -------------------------------------------------------------------------------------
 # Sampling lives with the recipe, not the loop: it needs this recipe's model and tokenizer and
-# nothing of training (the loop calls sample_text at the end of a run, `ftrain sample` sample).
+# nothing of training (the loop calls sample_text at the end of a run, ftrain.recipes.sample
+# from a run's checkpoint).
 def sample_text(
     model: GPT,
     params,
@@ -263,46 +297,42 @@ def sample_text(
     tok = data.ByteTokenizer()
     # An empty prompt starts from the end-of-document token (dropped by decode): unconditional.
     ids = torch.tensor([tok.encode(prompt) or [tok.eot_id]], dtype=torch.long)
-    model = copy.deepcopy(model)  # the template stays untouched
-    model.load_state_dict(ft.state_dict_of(params), strict=False)  # strict=False: tied weights
-    model.eval()
-    out = generate(
-        model,
-        ids,
-        max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        generator=torch.Generator().manual_seed(seed),
-    )
+    out = generate_from(model, params, ids, max_new_tokens, temperature=temperature, top_k=top_k,
+                        seed=seed)  # fmt: skip
     return tok.decode(out[0].tolist())
 
 
-def run_config(run: str | Path) -> tuple[Path, TrainConfig]:
+def generate_from(
+    model: torch.nn.Module,
+    params,
+    ids: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    temperature: float,
+    top_k: int | None,
+    seed: int,
+    seq_len: int | None = None,
+) -> torch.Tensor:
+    """``ftrain.models.generate`` of the token ids ``ids`` (B, T) run with ``params`` in eval
+    mode, from a generator seeded with ``seed`` (the same seed gives the same tokens). ``model``
+    is not changed: a copy of it takes the params (strict=False: a tied weight is held once)."""
+    model = copy.deepcopy(model)  # the template stays untouched
+    model.load_state_dict(ft.state_dict_of(params), strict=False)
+    model.eval()
+    generator = torch.Generator().manual_seed(seed)
+    return generate(model, ids, max_new_tokens, temperature=temperature, top_k=top_k,
+                    generator=generator, seq_len=seq_len)  # fmt: skip
+
+
+def run_config(run: str | Path, command: str = "ftrain sample") -> tuple[Path, TrainConfig]:
     """The newest valid checkpoint of the run folder ``run`` (or the checkpoint folder ``run``)
-    and the settings it was trained with (those this version knows)."""
+    and the settings it was trained with (those this version knows). Without a checkpoint,
+    ``SystemExit`` naming ``command`` and ``run``."""
     run = Path(run)
     latest = ft.latest_checkpoint(run) if not (run / "meta.json").exists() else run
     if latest is None:
-        raise SystemExit(f"ftrain sample: no checkpoint in {run}")
+        raise SystemExit(f"{command}: no checkpoint in {run}")
     saved: dict[str, Any] = rundir.saved_config(ft.load_meta(latest))
     # Only this version's settings: a checkpoint written by another version may hold others.
     known = {f.name for f in dataclasses.fields(TrainConfig)} - {"config"}
     return latest, TrainConfig(**{k: v for k, v in saved.items() if k in known})
-
-
-def sample(
-    run: str | Path,
-    prompt: str,
-    max_new_tokens: int,
-    temperature: float,
-    top_k: int | None,
-    seed: int = 0,
-) -> str:
-    """:func:`sample_text` from the newest valid checkpoint of the run folder ``run`` (or from the
-    checkpoint folder ``run``), with the model its saved settings describe and the params
-    :func:`eval_params` gives."""
-    latest, cfg = run_config(run)
-    model, params = build_model(cfg), eval_params(cfg, ft.load(latest))
-    return sample_text(
-        model, params, prompt, max_new_tokens, temperature=temperature, top_k=top_k, seed=seed
-    )

@@ -17,7 +17,6 @@ applies. The GPT's shape flags (``--d-model``, ``--n-layer``, ...) do not: the f
 
 from __future__ import annotations
 
-import copy
 import inspect
 
 import torch
@@ -26,7 +25,7 @@ from torch import nn
 import ftrain as ft
 from ftrain import data
 from ftrain.config import TrainConfig
-from ftrain.models import generate, load_causal_lm
+from ftrain.models import load_causal_lm
 from ftrain.models.hf import check_model_dir
 from ftrain.recipes import gpt
 
@@ -42,7 +41,7 @@ def build(cfg: TrainConfig, *, rank: int = 0, world: int = 1, quiet: bool = Fals
     model = build_model(cfg, tokenizer)
     loader, valid = gpt.build_data(cfg, rank=rank, world=world, quiet=quiet, tokenizer=tokenizer)
     opt = gpt.build_optimizer(cfg)
-    state = ft.TrainState.create(ft.params_of(model), opt, seed=cfg.seed)
+    state = gpt.build_state(cfg, model, opt)
     step = gpt.build_step(cfg, model, opt, loss_fn=make_loss_fn(model))
     return gpt.Recipe(model, step, step.init_extra(state), loader, valid)
 
@@ -111,16 +110,7 @@ def sample_text(
     gives the same text, and ``model`` itself is not changed."""
     tok = data.load_tokenizer(model.name_or_path)
     ids = torch.tensor([tok.encode(prompt) or [tok.eot_id]], dtype=torch.long)
-    model = copy.deepcopy(model)  # the template stays untouched
-    model.load_state_dict(ft.state_dict_of(params), strict=False)  # strict=False: tied weights
-    model.eval()
-    out = generate(
-        model,
-        ids,
-        max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        generator=torch.Generator().manual_seed(seed),
-        seq_len=context_length(model) or ids.shape[1] + max_new_tokens,
-    )
+    seq_len = context_length(model) or ids.shape[1] + max_new_tokens
+    out = gpt.generate_from(model, params, ids, max_new_tokens, temperature=temperature,
+                            top_k=top_k, seed=seed, seq_len=seq_len)  # fmt: skip
     return prompt + tok.decode(out[0, ids.shape[1] :].tolist())

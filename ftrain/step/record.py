@@ -5,8 +5,8 @@ Calling a step runs one optimizer step in phases; the hooks of its transforms
 
 1. **set-up**  ``init`` hooks add their entries to ``state.extra``; the random generators are
    seeded from ``(state.rng, state.step)`` (``ftrain.rng``); ``around_step`` contexts are entered.
-2. **forward** the batch is ``split`` into pieces; for each, ``loss_fn(params, piece)`` runs under
-   the ``around_forward`` contexts, with ``ft.apply`` running the ``rewrite`` of the model, and
+2. **forward** the batch is ``split`` into pieces; for each, ``loss_fn(params, piece)`` runs (with
+   the params the ``loss_params`` hooks make of the step's own) under the ``around_forward`` contexts, with ``ft.apply`` running the ``rewrite`` of the model, and
    its result is normalized into an ``ft.Loss`` (a sum and its count).
 3. **grad**    the gradient ``engine`` differentiates the summed totals (times any ``loss_scale``)
    with respect to leaf copies of the params, one backward per piece, into one buffer.
@@ -48,6 +48,7 @@ class _Hooks(NamedTuple):
     init: tuple[Transform, ...]
     around_step: tuple[Transform, ...]
     split: tuple[Transform, ...]
+    loss_params: tuple[Transform, ...]
     around_forward: tuple[Transform, ...]
     rewrites: tuple[Transform, ...]  # by rewrite_order, then as applied
     loss_scale: Transform | None
@@ -145,9 +146,21 @@ class Step:
             pieces = [q for p in pieces for q in t.split(p)]
         return pieces
 
-    def forward(self, params: TensorDict, batch: Any) -> Loss:
+    def forward(self, params: TensorDict, batch: Any, state: TrainState | None = None) -> Loss:
         """The loss of one piece: ``loss_fn(params, batch)`` under the ``around_forward`` contexts,
-        with the model rewritten as the transforms say, normalized into an ``ft.Loss``."""
+        with the model rewritten as the transforms say, normalized into an ``ft.Loss``. The
+        params are the step's own (``state.params`` or leaf copies of them), given to the
+        ``loss_params`` hooks with ``state``, which a step with such hooks (``ft.lora``) needs."""
+        if self._hooks.loss_params:
+            if state is None:
+                names = ", ".join(f"ft.{t.name}" for t in self._hooks.loss_params)
+                raise TypeError(
+                    f"Step.forward(params, batch, state): {names} make the loss function's "
+                    "params from the state; pass the state."
+                )
+            return _with_loss_params(self._forward, self._hooks.loss_params, state)(params, batch)[
+                0
+            ]
         return self._forward(params, batch)[0]
 
     def _forward(self, params: TensorDict, batch: Any, pieces: int = 0) -> tuple[Loss, bool]:
@@ -203,6 +216,8 @@ class Step:
         if combined and not getattr(self._engine, "weighs_rows", False):
             # pieces are combined: check how they are weighted
             forward = functools.partial(self._forward, pieces=len(pieces))
+        if hooks.loss_params:  # what the loss function sees besides the differentiated params
+            forward = _with_loss_params(forward, hooks.loss_params, state)
         grads, total, count, aux, owned = self._engine(forward, state.params, pieces, scale)
         if hooks.reduce:  # phase 4: sums across processes
             sums = torch.stack([total.float(), count.float()])
@@ -343,6 +358,17 @@ def _within(factories: list[Callable], arg: Any, fn: Callable[[], Any]) -> Any:
         return fn()
     with factories[0](arg):
         return _within(factories[1:], arg, fn)
+
+
+def _with_loss_params(forward: Callable, transforms: tuple[Transform, ...], state: TrainState):
+    """``forward`` called with the params the ``loss_params`` hooks make of the step's own."""
+
+    def forward_with(params: TensorDict, piece: Any):
+        for t in transforms:
+            params = t.loss_params(params, state)
+        return forward(params, piece)
+
+    return forward_with
 
 
 def _whole(x: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ building  ``check(inner, outer)``                  ordering rules (each once, ac
 each call ``init(state) -> state``                 ``autocast`` (fp16 loss scale), ``ema``
           ``around_step(state) -> ctx``            ``autocast`` (TF32), ``shard`` (rank stream)
 forward   ``split(batch) -> [batch, ...]``         ``accumulate``
+          ``loss_params(params, state) -> p``      ``lora`` (frozen base + adapters)
           ``around_forward(params) -> ctx``        ``autocast`` (``torch.autocast``)
           ``rewrite(module) -> module``            ``checkpoint``, ``shard`` (fsdp gathering)
 backward  ``engine(engine) -> engine``             the gradient engine (``AutogradEngine``)
@@ -54,6 +55,7 @@ StepFn = Callable[[Any, Any], tuple[Any, dict[str, torch.Tensor]]]
 INNER_HOOKS = (
     "optimizer",
     "split",
+    "loss_params",
     "around_forward",
     "rewrite",
     "engine",
@@ -183,6 +185,13 @@ class Transform:
     def split(self, batch: Any) -> list[Any]:
         """The pieces the batch is split into, each run forward and backward on its own."""
         return [batch]
+
+    def loss_params(self, params: TensorDict, state: TrainState) -> TensorDict:
+        """The params the loss function is called with, given the step's own (the leaf copies the
+        gradient engine differentiates, whose keys the optimizer state follows) and the state.
+        Called once per piece, inside the gradient engine: what it takes from ``state`` is used,
+        not differentiated (``ft.lora`` adds its frozen base here)."""
+        return params
 
     def around_forward(self, params: TensorDict) -> contextlib.AbstractContextManager:
         """A context entered around each call of the loss function (once per micro-batch)."""

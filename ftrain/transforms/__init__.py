@@ -6,6 +6,7 @@ from ftrain.transforms.checkpoint import Checkpoint, checkpoint
 from ftrain.transforms.compile import Compile, compile
 from ftrain.transforms.dp_sgd import DpSgd, dp_sgd
 from ftrain.transforms.ema import Ema, ema
+from ftrain.transforms.lora import Lora, lora, merge_lora
 from ftrain.transforms.shard import Shard, shard
 from ftrain.transforms.vmap import Vmap, vmap
 from ftrain.transforms.wrap import Wrap, wrap
@@ -18,6 +19,7 @@ __all__ = [
     "DpSgd",
     "DynamicLossScale",
     "Ema",
+    "Lora",
     "Shard",
     "StaticLossScale",
     "Vmap",
@@ -28,6 +30,8 @@ __all__ = [
     "compile",
     "dp_sgd",
     "ema",
+    "lora",
+    "merge_lora",
     "shard",
     "vmap",
     "wrap",

@@ -1,0 +1,147 @@
+"""Live bytes of a computation, real or fake: the one counter both ``ft.memory`` and
+``ftrain.testing.peak_bytes`` use.
+
+:class:`LiveBytes` is a ``TorchDispatchMode`` that sees every op, counts the storage each new
+output holds (once per storage, at its allocated size) and subtracts it when the storage is freed
+(a weak reference's callback on the storage object), so ``live`` and ``peak`` follow the
+allocations as an allocator would, without its rounding. It works the same on real tensors and
+on fake ones (``torch._subclasses.FakeTensorMode``: meta storages know their size).
+
+This module is the adapter for torch's private APIs used by the planner; the public replacements
+would be a documented ``torch.utils`` home for them:
+
+* ``torch._subclasses.fake_tensor.FakeTensorMode`` / ``FakeTensor`` (the issue names them; no
+  public alias exists in torch 2.13),
+* ``torch._subclasses.fake_tensor.unset_fake_temporarily`` (run an op on real tensors while the
+  fake mode is active: the step's small counters stay real, so ``int(state.step)`` still works),
+* a DTensor's ``_local_tensor`` (``DTensor.to_local()`` would dispatch an op of its own),
+* ``torch.utils._python_dispatch.TorchDispatchMode`` and ``torch.utils._pytree.tree_leaves``
+  (public extension points from modules still named private).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry
+
+__all__ = ["LiveBytes", "fake_mode", "is_fake", "storage_of", "tensor_leaves"]
+
+
+def fake_mode() -> FakeTensorMode:
+    """A fresh fake-tensor mode that accepts real inputs (they are faked on the fly)."""
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def is_fake(t: object) -> bool:
+    """Whether ``t`` is a fake tensor (shapes and dtypes, no data)."""
+    return isinstance(t, FakeTensor)
+
+
+def tensor_leaves(tree: Any) -> list[torch.Tensor]:
+    """The tensors in a nest of tuples, lists and dicts."""
+    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
+    """The storage that holds ``t``'s data: a DTensor's local shard's, a plain tensor's own; None
+    for tensors without one (sparse, nested, other wrapper subclasses)."""
+    local = getattr(t, "_local_tensor", None)  # DTensor: ``to_local()`` without autograd
+    if local is not None:
+        t = local
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
+class LiveBytes(TorchDispatchMode):
+    """Counts the bytes of the storages alive while it is active, and their peak.
+
+    ``hold(tensors)`` counts tensors that exist already (the state and the batch: the baseline);
+    every op's new outputs are counted as they appear and dropped when freed. An output whose
+    storage is already counted (a view, an in-place or ``out=`` op) adds nothing. ``mark(name)``
+    records the live bytes at a point of the run (``marks``), and ``since(name)`` the peak after
+    it. Ops whose tensor arguments are all real run for real even under a fake mode, so the step's
+    counters keep their values. ``flops`` adds up the FLOPs of the ops that
+    ``torch.utils.flop_counter`` has a formula for (matmuls, convolutions, attention); its
+    ``FlopCounterMode`` is not stacked instead because its module tracker keeps tensors alive.
+
+    ``fresh_only=True`` counts only storages allocated while it is active: an output whose storage
+    is one of the op's inputs' (a view or an in-place result of a tensor made before) is skipped
+    rather than counted as alive (``ftrain.testing.track_allocations`` and ``saved_bytes``).
+    """
+
+    def __init__(self, fresh_only: bool = False) -> None:
+        super().__init__()
+        self.fresh_only = fresh_only
+        self.live = 0
+        self.peak = 0
+        self.flops = 0
+        self.marks: dict[str, int] = {}
+        self._peak_since: dict[str, int] = {}
+        self._refs: dict[int, weakref.ref] = {}
+
+    def hold(self, tensors: Any) -> None:
+        """Count these existing tensors (a nest of them) as alive."""
+        for t in tensor_leaves(tensors):
+            self._count(t)
+
+    def mark(self, name: str) -> int:
+        """Record the live bytes now under ``name`` (and start its peak); returns them."""
+        self.marks[name] = self.live
+        self._peak_since[name] = self.live
+        return self.live
+
+    def since(self, name: str) -> int:
+        """The peak of live bytes since :meth:`mark` ``(name)``."""
+        return self._peak_since[name]
+
+    def _count(self, t: torch.Tensor) -> None:
+        storage = storage_of(t)
+        if storage is None:
+            return
+        key = id(storage)
+        ref = self._refs.get(key)
+        if ref is not None and ref() is storage:
+            return
+        n = storage.nbytes()
+        self._refs[key] = weakref.ref(storage, self._freed(key, n))
+        self.live += n
+        if self.live > self.peak:
+            self.peak = self.live
+        for name, p in self._peak_since.items():
+            if self.live > p:
+                self._peak_since[name] = self.live
+
+    def _freed(self, key: int, n: int) -> Callable[[weakref.ref], None]:
+        def gone(ref: weakref.ref) -> None:
+            if self._refs.get(key) is ref:
+                del self._refs[key]
+            self.live -= n
+
+        return gone
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        inputs = tensor_leaves((args, kwargs))
+        if inputs and not any(is_fake(t) for t in inputs):
+            with unset_fake_temporarily():  # real in, real out (a no-op without a fake mode)
+                out = func(*args, **kwargs)
+        else:
+            out = func(*args, **kwargs)
+        formula = flop_registry.get(getattr(func, "_overloadpacket", None))
+        if formula is not None:
+            self.flops += int(formula(*args, **kwargs, out_val=out))
+        taken = {id(s) for s in map(storage_of, inputs) if s is not None} if self.fresh_only else ()
+        for t in tensor_leaves(out):
+            if taken and id(storage_of(t)) in taken:
+                continue
+            self._count(t)
+        return out

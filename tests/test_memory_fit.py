@@ -1,0 +1,76 @@
+"""ft.fit: the chosen composition measures under the budget, the faster one it rejected over it."""
+
+import pytest
+import torch
+
+import ftrain as ft
+from ftrain.testing import peak_bytes
+
+from _tiny import lm_batch, lm_loss, tiny_gpt
+
+
+def setup(rows=16):
+    model = tiny_gpt(d_model=64, n_layer=3, seq_len=32)
+    opt = ft.optim.adamw(1e-3)
+    step = ft.train_step(lm_loss(model), opt)
+    state = ft.TrainState.create(ft.params_of(model), opt)
+    return step, state, lm_batch(rows, length=32)
+
+
+def test_the_choice_fits_and_the_faster_rejected_one_does_not():
+    step, state, batch = setup()
+    whole = ft.memory(step, state, batch).peak
+    budget = int(whole * 0.75)
+    new, report = ft.fit(step, state, batch, budget)
+    assert report.chosen.fits and report.memory.peak <= budget
+    assert peak_bytes(new, state, batch) <= budget
+    rejected = [c for c in report.candidates[: report.candidates.index(report.chosen)]]
+    assert rejected and not any(c.fits for c in rejected)
+    nearest = rejected[-1]  # the next faster composition: it was predicted not to fit
+    bigger = _build(step, nearest)
+    assert peak_bytes(bigger, state, batch) > budget
+    assert "chose" in str(report) and report.reason
+    # the chosen step trains like the original: same loss on the same batch
+    _, m_new = new(state, batch)
+    _, m_old = step(state, batch)
+    assert torch.allclose(m_new["loss"], m_old["loss"], rtol=2e-2)
+
+
+def _build(step, c):
+    """The composition ``c`` built with the public transforms."""
+    if c.precision == "bf16":
+        step = ft.autocast(step, torch.bfloat16)
+    if c.policy != "none":
+        step = ft.checkpoint(step, c.policy)
+    if c.micro_batches > 1:
+        step = ft.accumulate(step, c.micro_batches)
+    return step
+
+
+def test_a_roomy_budget_keeps_the_fastest_and_strings_are_budgets():
+    step, state, batch = setup(rows=4)
+    new, report = ft.fit(step, state, batch, "1GiB")
+    assert report.budget == 2**30
+    assert (report.chosen.micro_batches, report.chosen.policy, report.chosen.precision) == (
+        1,
+        "none",
+        "fp32",
+    )
+    assert new.transforms == ()
+
+
+def test_user_transforms_are_kept_and_the_old_composition_replaced():
+    step, state, batch = setup(rows=8)
+    marked = ft.accumulate(ft.checkpoint(ft.ema(step, 0.9), "blocks"), 2)
+    new, report = ft.fit(marked, state, batch, 10**9)
+    assert new.names == ("ema",)
+
+
+def test_nothing_fits_names_the_smallest_peak_and_the_budget():
+    step, state, batch = setup(rows=4)
+    with pytest.raises(MemoryError, match=r"budget of 1000 B.*smallest predicted peak is"):
+        ft.fit(step, state, batch, 1000, micro_batches=(1, 4))
+    with pytest.raises(ValueError, match="4GiB"):
+        ft.fit(step, state, batch, "four gigs")
+    with pytest.raises(ValueError, match="legal policies"):
+        ft.fit(step, state, batch, "1GiB", policies=("all",))

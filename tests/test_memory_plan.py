@@ -1,0 +1,204 @@
+"""ft.memory: the predicted peak against the peak the real step allocates (ftrain.testing.peak_bytes),
+over micro-batches x checkpoint policy x precision x optimizer on two model sizes; a 7B plan in
+bounded time and memory; the phases it reports."""
+
+import itertools
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import ftrain as ft
+from ftrain import optim
+from ftrain.testing import peak_bytes
+
+from _tiny import lm_batch, lm_loss, tiny_gpt
+
+OPTIMIZERS = {
+    "adamw": lambda: optim.adamw(1e-3),
+    "adafactor": lambda: optim.adafactor(1e-3),
+    "adamw8bit": lambda: optim.adamw8bit(1e-3),
+}
+SIZES = {"small": dict(d_model=32, n_layer=2), "larger": dict(d_model=64, n_layer=3, seq_len=32)}
+
+
+def composed(size, k, policy, precision, opt_name, rows=8, donate=False):
+    model = tiny_gpt(**SIZES[size])
+    opt = OPTIMIZERS[opt_name]()
+    step = ft.train_step(lm_loss(model), opt, donate=donate)
+    if precision == "bf16":
+        step = ft.autocast(step, torch.bfloat16)
+    if policy != "none":
+        step = ft.checkpoint(step, policy)
+    if k > 1:
+        step = ft.accumulate(step, k)
+    state = ft.TrainState.create(ft.params_of(model), opt)
+    return step, state, lm_batch(rows, length=model.config.seq_len)
+
+
+# Every (micro-batches, policy) pair on the small model, precision x optimizer cycling through
+# all six combinations twice; on the larger one each precision x optimizer once. 18 of the 144
+# points of the full grid (benchmarks/memory.py runs all of them).
+_MIXES = list(itertools.product(("fp32", "bf16"), OPTIMIZERS))
+GRID = [
+    ("small", k, policy, *_MIXES[i % 6])
+    for i, (k, policy) in enumerate(
+        itertools.product((1, 2, 4, 8), ("none", "selective", "blocks"))
+    )
+] + [
+    ("larger", (1, 2, 4, 8, 2, 1)[i], ("none", "selective", "blocks")[i % 3], *mix)
+    for i, mix in enumerate(_MIXES)
+]
+
+
+@pytest.mark.parametrize("size,k,policy,precision,opt_name", GRID)
+def test_predicted_peak_within_10_percent_of_measured(size, k, policy, precision, opt_name):
+    step, state, batch = composed(size, k, policy, precision, opt_name)
+    report = ft.memory(step, state, batch)
+    measured = peak_bytes(step, state, batch)
+    assert abs(report.peak / measured - 1) < 0.10, (report.peak, measured)
+    assert report.micro_batches == k
+
+
+def test_phases_add_up_and_follow_the_transforms():
+    step, state, batch = composed("larger", 1, "none", "fp32", "adamw")
+    plain = ft.memory(step, state, batch)
+    params = sum(t.numel() * 4 for t in ft.tree.leaves(state.params))
+    assert plain.params == params and plain.gradients == params
+    assert plain.optimizer == optim.state_bytes(state.opt_state)
+    assert plain.peak >= plain.params + plain.optimizer + plain.activations
+    # fewer bytes saved for backward by checkpointing and by smaller micro-batches
+    blocks = ft.memory(ft.checkpoint(step, "blocks"), state, batch)
+    selective = ft.memory(ft.checkpoint(step, "selective"), state, batch)
+    assert blocks.activations < selective.activations < plain.activations
+    four = ft.memory(ft.accumulate(step, 4), state, batch)
+    assert four.activations < plain.activations / 3 and four.micro_batches == 4
+    # recompute shows in the FLOPs: blocks recompute the blocks' matmuls
+    assert blocks.flops > plain.flops == selective.flops
+    assert "peak" in str(plain) and "optimizer state" in str(plain)
+
+
+def test_a_meta_state_and_params_alone_plan_the_same():
+    step, state, batch = composed("small", 2, "blocks", "fp32", "adamw")
+    real = ft.memory(step, state, batch)
+    meta_params = state.params.to("meta")
+    meta_batch = {k: v.to("meta") for k, v in batch.items()}
+    assert ft.memory(step, meta_params, meta_batch).peak == real.peak
+    assert ft.memory(step, state, meta_batch).peak == real.peak
+
+
+def test_a_users_transform_is_planned_through_its_hooks():
+    class KeepACopy(ft.Transform):
+        """Keeps a 4 MB buffer shaped by the gradients in state.extra (gradients hook)."""
+
+        def gradients(self, g, state):
+            extra = g.extra.clone(recurse=False)
+            extra["buffer"] = ft.tree.first_leaf(g.grads).new_zeros(10**6)
+            return g._replace(extra=extra)
+
+    step, state, batch = composed("small", 1, "none", "fp32", "adamw")
+    base = ft.memory(step, state, batch)
+    kept = ft.memory(KeepACopy()(step), state, batch)
+    assert kept.peak > base.peak + 3 * 10**6 and kept.peak_phase == "update"
+    assert abs(kept.peak / peak_bytes(KeepACopy()(step), state, batch) - 1) < 0.10
+
+
+def test_the_step_and_state_are_left_alone():
+    step, state, batch = composed("small", 2, "selective", "bf16", "adamw")
+    before = state.clone()
+    ft.memory(step, state, batch)
+    assert int(state.step) == 0
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(ft.tree.leaves(state.params), ft.tree.leaves(before.params))
+    )
+    with pytest.raises(TypeError, match="expected an ft.Step"):
+        ft.memory(lambda s, b: (s, {}), state, batch)
+
+
+PLAN_7B = textwrap.dedent(
+    """
+    import json, resource, time, torch
+    import ftrain as ft
+    from ftrain.models import GPT, GPTConfig
+    start = time.perf_counter()
+    cfg = GPTConfig(vocab_size=32000, seq_len=2048, d_model=4096, n_layer=32, n_head=32,
+                    bias=False, tie_weights=False, matmul="torch")  # 6.7e9 params
+    with torch.device("meta"):
+        model = GPT(cfg)
+    params = ft.params_of(model)
+    def loss_fn(params, batch):
+        return ft.losses.cross_entropy(ft.apply(model, params, batch["input"]), batch["target"])
+    step = ft.train_step(loss_fn, ft.optim.adamw(3e-4), donate=True)
+    step = ft.accumulate(ft.checkpoint(ft.autocast(step)), 4)
+    batch = {k: torch.empty(8, 2048, dtype=torch.long, device="meta") for k in ("input", "target")}
+    report = ft.memory(step, params, batch)
+    print(json.dumps(dict(seconds=time.perf_counter() - start, params=ft.param_count(params),
+        state=report.state, peak=report.peak,
+        rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)))
+    """
+)
+
+
+def test_a_7b_plan_takes_under_a_minute_and_2_gib():
+    out = subprocess.run(
+        [sys.executable, "-c", PLAN_7B], capture_output=True, text=True, timeout=300, check=True
+    )
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["seconds"] < 60 and got["rss"] < 2 * 2**30, got
+    # the hand calculation: fp32 params + grads + AdamW's two moments = 16 bytes a parameter
+    assert got["state"] == pytest.approx(16 * got["params"], rel=1e-4)
+    assert got["peak"] > got["state"]
+
+
+# -- under ft.shard, 2 gloo ranks: one run_distributed call for every strategy ------------------
+SHARDED = [
+    (strategy, k, policy, precision, opt_name)
+    for strategy in ("ddp", "zero1", "zero2", "fsdp")
+    for k, policy, precision, opt_name in [
+        (1, "none", "fp32", "adamw"),
+        (2, "blocks", "bf16", "adamw"),
+        (4, "selective", "fp32", "adafactor"),
+    ]
+] + [("fsdp", 1, "blocks", "fp32", "adamw")]
+
+
+def _on_ranks(configs):
+    """Each config's predicted and measured peak on this rank (runs in each gloo process)."""
+    out = []
+    for strategy, k, policy, precision, opt_name in configs:
+        step, state, _ = composed("larger", k, policy, precision, opt_name)
+        step = ft.shard(step, strategy)
+        state = ft.shard_state(state, strategy)
+        batch = lm_batch(4, seed=torch.distributed.get_rank(), length=32)  # this rank's rows
+        out.append((ft.memory(step, state, batch).peak, peak_bytes(step, state, batch)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def sharded_peaks():
+    from ftrain.testing import run_distributed
+
+    ranks = run_distributed(_on_ranks, 2, SHARDED)
+    return {c: [r[i] for r in ranks] for i, c in enumerate(SHARDED)}
+
+
+@pytest.mark.parametrize("config", [c for c in SHARDED if c[0] != "fsdp"], ids=str)
+def test_sharded_peak_within_10_percent_on_each_rank(sharded_peaks, config):
+    for predicted, measured in sharded_peaks[config]:
+        assert abs(predicted / measured - 1) < 0.10, (config, predicted, measured)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="fsdp is modeled from the unsharded phases and block sizes, not run: k=1 blocks fp32 "
+    "is 22% under here (the per-block gathers, regathers and reduce-scatters of backward are not "
+    "replayed; benchmarks/RESULTS.md 'Memory planning under fsdp' has 19 compositions)",
+)
+def test_fsdp_peak_within_10_percent(sharded_peaks):
+    for config in [c for c in SHARDED if c[0] == "fsdp"]:
+        for predicted, measured in sharded_peaks[config]:
+            assert abs(predicted / measured - 1) < 0.10, (config, predicted, measured)

@@ -1,0 +1,58 @@
+"""LiveBytes: live and peak bytes follow allocations and frees, on real and fake tensors alike."""
+
+import torch
+
+from ftrain.memory.tracker import LiveBytes, fake_mode
+
+
+def run(make):
+    live = LiveBytes()
+    with live:
+        make()
+    return live
+
+
+def body():
+    a = torch.ones(1000)  # 4000 bytes
+    b = a * 2  # +4000: 8000 alive
+    v = b.view(10, 100)  # a view: nothing new
+    del a  # 4000 alive
+    c = torch.empty(500, dtype=torch.float64)  # +4000: 8000 again, not a new peak
+    return v, c
+
+
+def test_real_and_fake_count_the_same():
+    real = run(body)
+    mode = fake_mode()
+    with mode:
+        fake = run(body)
+    assert real.peak == fake.peak == 8000
+    assert real.live == fake.live == 0  # everything freed once the results are dropped
+
+
+def test_hold_marks_and_flops():
+    x = torch.ones(100, 100)
+    live = LiveBytes()
+    live.hold([x, x.t()])  # one storage
+    assert live.live == 40000
+    with live:
+        live.mark("mm")
+        y = x @ x
+        assert live.since("mm") == 80000
+    assert live.flops == 2 * 100**3
+    del y
+    assert live.live == 40000
+
+
+def test_fresh_only_skips_what_existed_before():
+    x = torch.ones(1000)  # made before: 4000 bytes
+    counts = {}
+    for fresh in (False, True):
+        live = LiveBytes(fresh_only=fresh)
+        with live:
+            v = x.view(10, 100)  # a view of an older storage
+            x.mul_(1)  # in place on it
+            y = x + 1  # new: 4000
+            counts[fresh] = live.live
+        del v, y
+    assert counts == {False: 8000, True: 4000}
