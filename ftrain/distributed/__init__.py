@@ -1,6 +1,7 @@
-"""Data parallelism on ``torch.distributed``: process-group set-up, flat collectives, DTensor
-plumbing, ZeRO state layouts and FSDP gathering. The ``ft.shard`` transform
-(``ftrain.transforms.shard``) is built from these.
+"""Data and tensor parallelism on ``torch.distributed``: process-group set-up, flat collectives,
+DTensor plumbing, ZeRO state layouts, FSDP gathering, tensor-parallel plans, layouts and model
+copies. The ``ft.shard`` and ``ft.tensor_parallel`` transforms (``ftrain.transforms``) are built
+from these.
 
     torchrun --nproc_per_node 2 -m ftrain train --shard fsdp
     results = ft.distributed.run_distributed(fn, world_size=2)   # in tests and notebooks
@@ -17,6 +18,15 @@ from ftrain.distributed.launch import (
     require_group,
     run_distributed,
 )
+from ftrain.distributed.plans import (
+    Colwise,
+    Divide,
+    Rowwise,
+    gpt_plan,
+    hf_gpt2_plan,
+    hf_llama_plan,
+)
+from ftrain.distributed.tp_layout import tp_mesh
 from ftrain.distributed.zero import (
     STRATEGIES,
     local_bytes,
@@ -26,6 +36,13 @@ from ftrain.distributed.zero import (
 )
 
 __all__ = [
+    "Colwise",
+    "Divide",
+    "Rowwise",
+    "gpt_plan",
+    "hf_gpt2_plan",
+    "hf_llama_plan",
+    "tp_mesh",
     "STRATEGIES",
     "DistributedError",
     "check_mesh",

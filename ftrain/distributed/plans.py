@@ -10,6 +10,10 @@ A *plan* maps module-path patterns (``fnmatch`` syntax over ``model.named_module
 * :class:`Rowwise` (row-parallel linear): the input features are split; the outputs of the
   processes are summed. Weight ``Shard(1)``, bias whole (added once, after the sum).
 
+* :class:`Divide` (no parameters): integer attributes of a module that count what each process
+  now holds a share of, divided by the tp size in the copy the forward runs (an attention's head
+  count, e.g. ``Divide("n_head")``). Models that infer heads from the input width need none.
+
 Hugging Face ``Conv1D`` (GPT-2) stores its weight transposed, ``(in, out)``: the same style
 splits the other dimension, which :func:`resolve_plan` handles. Parameters that no pattern names
 (embeddings, norms) stay whole on every process.
@@ -31,12 +35,16 @@ from torch import nn
 __all__ = [
     "Colwise",
     "Rowwise",
+    "Divide",
     "Split",
+    "match_plan",
+    "resolve_divisions",
     "resolve_plan",
     "gpt_plan",
     "hf_gpt2_plan",
     "hf_llama_plan",
     "check_mesh_shape",
+    "is_conv1d",
     "local_piece",
     "join_pieces",
 ]
@@ -56,6 +64,20 @@ class Rowwise:
 
 
 @dataclasses.dataclass(frozen=True)
+class Divide:
+    """Integer attributes of a module divided by the tp size while it runs tensor-parallel (a
+    head count: each process runs ``n_head / tp`` heads). The module is not modified: the forward
+    runs a copy."""
+
+    attrs: tuple[str, ...]
+
+    def __init__(self, *attrs: str):
+        if not attrs or not all(isinstance(a, str) and a for a in attrs):
+            raise ValueError(f"Divide{attrs!r}: name one or more attributes, e.g. Divide('n_head').")
+        object.__setattr__(self, "attrs", tuple(attrs))
+
+
+@dataclasses.dataclass(frozen=True)
 class Split:
     """Where one parameter lives under tensor parallelism: ``dim`` is the split dimension of the
     stored tensor (None: whole on every process); ``chunks`` fused blocks along ``dim`` are each
@@ -65,22 +87,22 @@ class Split:
     chunks: int = 1
 
 
-_STYLES = (Colwise, Rowwise)
+_STYLES = (Colwise, Rowwise, Divide)
 
 
-def _is_conv1d(module: nn.Module) -> bool:
-    # transformers' Conv1D: a linear whose weight is stored (in, out); checked by name so that
-    # transformers stays an optional dependency
+def is_conv1d(module: nn.Module) -> bool:
+    """Whether ``module`` is transformers' ``Conv1D`` (a linear whose weight is stored
+    ``(in, out)``), checked by name so that transformers stays an optional dependency."""
     return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
 
 
 def _splits(name: str, module: nn.Module, style, tp: int) -> dict[str, Split]:
-    if not (isinstance(module, nn.Linear) or _is_conv1d(module)):
+    if not (isinstance(module, nn.Linear) or is_conv1d(module)):
         raise ValueError(
             f"tensor parallel plan: {name!r} is a {type(module).__name__}; Colwise/Rowwise apply "
             "to nn.Linear (or transformers' Conv1D) only. Name the linear layers in the plan."
         )
-    transposed = _is_conv1d(module)
+    transposed = is_conv1d(module)
     w = module.weight
     out_dim = 1 if transposed else 0
     in_dim = 1 - out_dim
@@ -104,22 +126,26 @@ def _splits(name: str, module: nn.Module, style, tp: int) -> dict[str, Split]:
     return out
 
 
-def resolve_plan(model: nn.Module, plan: Mapping[str, object], tp: int) -> dict[str, Split]:
-    """The :class:`Split` of every parameter of ``model`` (keys as ``named_parameters`` gives
-    them; parameters no pattern names are ``Split(None)``, whole).
+def match_plan(model: nn.Module, plan: Mapping[str, object]) -> list[tuple[str, object]]:
+    """``(module path, style)`` for every module a pattern of ``plan`` names (a module may have
+    a linear style and a ``Divide``).
 
-    Raises ``ValueError`` when a pattern names no module, a style is not ``Colwise``/``Rowwise``,
-    two patterns name the same module, a named module is not a linear layer, or a split dimension
-    is not divisible by ``tp`` (times ``chunks``)."""
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise ValueError(f"resolve_plan(tp={tp!r}): the tensor-parallel size must be an int >= 1.")
+    Raises ``TypeError`` for a style that is not ``Colwise``/``Rowwise``/``Divide`` and
+    ``ValueError`` when a pattern names no module or two patterns of one kind (linear styles, or
+    ``Divide``) name the same module."""
+    if not isinstance(plan, Mapping) or not plan:
+        raise TypeError(
+            f"tensor parallel plan: expected a non-empty mapping of module-path patterns to "
+            f"Colwise()/Rowwise()/Divide(...), got {plan!r}. See ftrain.distributed.plans.gpt_plan()."
+        )
     modules = dict(model.named_modules())
-    splits: dict[str, Split] = {name: Split(None) for name, _ in model.named_parameters()}
-    owner: dict[str, str] = {}
+    styles: list[tuple[str, object]] = []
+    owner: dict[tuple[str, bool], str] = {}
     for pattern, style in plan.items():
         if not isinstance(style, _STYLES):
             raise TypeError(
-                f"tensor parallel plan[{pattern!r}] = {style!r}: expected Colwise() or Rowwise()."
+                f"tensor parallel plan[{pattern!r}] = {style!r}: expected Colwise(), Rowwise() "
+                "or Divide('attr', ...)."
             )
         names = [n for n in modules if n and fnmatch.fnmatchcase(n, pattern)]
         if not names:
@@ -129,22 +155,68 @@ def resolve_plan(model: nn.Module, plan: Mapping[str, object], tp: int) -> dict[
                 f"{type(model).__name__} (module paths look like: {sample}, ...). Fix the pattern "
                 "(fnmatch syntax over model.named_modules() names)."
             )
+        kind = isinstance(style, Divide)
         for name in names:
-            if name in owner:
+            if (name, kind) in owner:
                 raise ValueError(
-                    f"tensor parallel plan: {name!r} is named by both {owner[name]!r} and "
-                    f"{pattern!r}; give each linear layer one style."
+                    f"tensor parallel plan: {name!r} is named by both {owner[name, kind]!r} and "
+                    f"{pattern!r}; give each module one style."
                 )
-            owner[name] = pattern
+            owner[name, kind] = pattern
+            styles.append((name, style))
+    return styles
+
+
+def resolve_plan(model: nn.Module, plan: Mapping[str, object], tp: int) -> dict[str, Split]:
+    """The :class:`Split` of every parameter of ``model`` (keys as ``named_parameters`` gives
+    them; parameters no pattern names are ``Split(None)``, whole).
+
+    Raises ``ValueError`` when a pattern names no module, a style is not ``Colwise``/``Rowwise``/
+    ``Divide``, two patterns name the same module, a named module is not a linear layer, or a
+    split dimension is not divisible by ``tp`` (times ``chunks``)."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"resolve_plan(tp={tp!r}): the tensor-parallel size must be an int >= 1.")
+    modules = dict(model.named_modules())
+    splits: dict[str, Split] = {name: Split(None) for name, _ in model.named_parameters()}
+    for name, style in match_plan(model, plan):
+        if not isinstance(style, Divide):
             splits.update(_splits(name, modules[name], style, tp))
+    resolve_divisions(model, plan, tp)  # the divided attributes must divide too
     return splits
+
+
+def resolve_divisions(model: nn.Module, plan: Mapping[str, object], tp: int) -> dict[str, dict]:
+    """Module path -> ``{attribute: value / tp}`` for the ``Divide`` entries of ``plan``; a
+    ``ValueError`` names an attribute that is missing, not an int, or not divisible by ``tp``."""
+    modules = dict(model.named_modules())
+    out: dict[str, dict] = {}
+    for name, style in match_plan(model, plan):
+        if not isinstance(style, Divide):
+            continue
+        values = {}
+        for attr in style.attrs:
+            v = getattr(modules[name], attr, None)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(
+                    f"tensor parallel plan: Divide({attr!r}) on {name!r}: the module has no int "
+                    f"attribute {attr!r} (got {v!r}). Name an attribute that counts heads."
+                )
+            if v % tp:
+                raise ValueError(
+                    f"tensor parallel plan: {name}.{attr} = {v} is not divisible by tp={tp}. Fix: "
+                    f"choose a tp size that divides {v}."
+                )
+            values[attr] = v // tp
+        out[name] = values
+    return out
 
 
 def gpt_plan() -> dict[str, object]:
     """The plan for ``ftrain.models.GPT``: attention ``qkv`` by columns (three fused blocks, so
-    each process holds whole heads), its ``proj`` by rows; MLP ``fc`` by columns, ``proj`` by
+    each process holds whole heads; ``n_head`` divided), its ``proj`` by rows; MLP ``fc`` by columns, ``proj`` by
     rows. Needs ``n_head`` and ``4 * d_model`` divisible by the tp size."""
     return {
+        "blocks.*.attn": Divide("n_head"),
         "blocks.*.attn.qkv": Colwise(chunks=3),
         "blocks.*.attn.proj": Rowwise(),
         "blocks.*.mlp.fc": Colwise(),
@@ -154,9 +226,11 @@ def gpt_plan() -> dict[str, object]:
 
 def hf_gpt2_plan() -> dict[str, object]:
     """The plan for Hugging Face GPT-2 (``GPT2LMHeadModel``, ``Conv1D`` layers whose weights are
-    stored transposed): ``c_attn`` by columns (q, k, v fused), ``attn.c_proj`` by rows,
+    stored transposed): ``c_attn`` by columns (q, k, v fused; ``num_heads`` and ``split_size``
+    divided), ``attn.c_proj`` by rows,
     ``mlp.c_fc`` by columns, ``mlp.c_proj`` by rows."""
     return {
+        "transformer.h.*.attn": Divide("num_heads", "split_size"),
         "transformer.h.*.attn.c_attn": Colwise(chunks=3),
         "transformer.h.*.attn.c_proj": Rowwise(),
         "transformer.h.*.mlp.c_fc": Colwise(),
@@ -167,7 +241,8 @@ def hf_gpt2_plan() -> dict[str, object]:
 def hf_llama_plan() -> dict[str, object]:
     """The plan for Hugging Face Llama (``LlamaForCausalLM``): q, k, v by columns, ``o_proj`` by
     rows; ``gate_proj`` and ``up_proj`` by columns, ``down_proj`` by rows. Needs both the query
-    and the key/value head counts divisible by the tp size."""
+    and the key/value head counts divisible by the tp size. Llama's attention infers its head
+    count from the projections' width, so nothing is divided."""
     return {
         "model.layers.*.self_attn.[qkv]_proj": Colwise(),
         "model.layers.*.self_attn.o_proj": Rowwise(),

@@ -11,15 +11,30 @@ group sums. Two autograd functions carry the communication (Megatron's *f* and *
 
 So a column-then-row pair (attention's qkv and output projection, the MLP) costs one all-reduce
 forward and one backward, and every activation between the pairs is whole on every process.
+
+Which collectives enter and leave a pair is chosen in one place, :class:`PairCollectives`
+(:func:`megatron` gives f and g): sequence parallelism swaps them for an all-gather over the
+sequence on the way in and a reduce-scatter over it on the way out, and the linear layers
+(``ftrain.distributed.tp_model``) stay as they are.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-__all__ = ["copy_to_tp", "reduce_from_tp", "colwise_linear", "rowwise_linear"]
+__all__ = [
+    "PairCollectives",
+    "megatron",
+    "copy_to_tp",
+    "reduce_from_tp",
+    "colwise_linear",
+    "rowwise_linear",
+]
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -55,6 +70,22 @@ def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
 def reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:
     """``x`` summed over ``group``; in backward the gradient passes unchanged."""
     return _ReduceFromTP.apply(x, group)
+
+
+class PairCollectives(NamedTuple):
+    """The communication around a column-then-row parallel pair, one function each way:
+    ``enter(x)`` makes the input of a column-parallel layer (whole on every process afterwards),
+    ``exit(y)`` turns a row-parallel layer's partial output into the layer's output (before its
+    bias). Each is an autograd function whose backward is the other's dual."""
+
+    enter: Callable[[torch.Tensor], torch.Tensor]
+    exit: Callable[[torch.Tensor], torch.Tensor]
+
+
+def megatron(group) -> PairCollectives:
+    """Megatron's f and g over ``group``: identity in / all-reduce of the gradient, all-reduce
+    out / identity gradient. Activations outside the pairs are whole on every process."""
+    return PairCollectives(lambda x: copy_to_tp(x, group), lambda y: reduce_from_tp(y, group))
 
 
 def colwise_linear(x, weight_piece, bias_piece, group) -> torch.Tensor:
