@@ -73,7 +73,9 @@ class Divide:
 
     def __init__(self, *attrs: str):
         if not attrs or not all(isinstance(a, str) and a for a in attrs):
-            raise ValueError(f"Divide{attrs!r}: name one or more attributes, e.g. Divide('n_head').")
+            raise ValueError(
+                f"Divide{attrs!r}: name one or more attributes, e.g. Divide('n_head')."
+            )
         object.__setattr__(self, "attrs", tuple(attrs))
 
 

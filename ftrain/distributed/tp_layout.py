@@ -90,9 +90,7 @@ def lay_out(t: torch.Tensor, split: Split, mesh: Any) -> torch.Tensor:
     return from_local(piece, mesh, placements(split, mesh), t.shape, t.stride())
 
 
-def follow(
-    splits: Mapping[str, Split], td, shapes: Mapping[str, torch.Size]
-) -> list[Split | None]:
+def follow(splits: Mapping[str, Split], td, shapes: Mapping[str, torch.Size]) -> list[Split | None]:
     """The split of each leaf of ``td``: a parameter's own split for a leaf whose path ends with
     that parameter's path and that has its shape (a moment ``mu.blocks.0.fc.weight``), else None
     (not laid out: a counter, a statistic of another shape)."""

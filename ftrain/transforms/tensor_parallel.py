@@ -39,7 +39,7 @@ from ftrain.distributed.tp import PairCollectives, megatron
 from ftrain.distributed.tp_layout import check_tp_mesh, lay_out_state
 from ftrain.distributed.tp_model import tp_copy
 from ftrain.state import TrainState
-from ftrain.step import Step, Transform
+from ftrain.step import Transform
 
 __all__ = ["TensorParallel", "tensor_parallel"]
 
