@@ -6,6 +6,7 @@ from torch import nn
 
 from ftrain.distributed.plans import (
     Colwise,
+    Divide,
     Rowwise,
     Split,
     check_mesh_shape,
@@ -14,6 +15,8 @@ from ftrain.distributed.plans import (
     hf_llama_plan,
     join_pieces,
     local_piece,
+    plan_for,
+    resolve_divisions,
     resolve_plan,
 )
 from ftrain.models import GPT, GPTConfig
@@ -105,3 +108,24 @@ def test_mesh_shape_must_match_the_world():
         check_mesh_shape({"dp": 3, "tp": 2}, 4)
     with pytest.raises(ValueError, match="int >= 1"):
         check_mesh_shape({"tp": 0}, 4)
+
+
+def test_divided_head_counts_are_checked_against_the_tp_size():
+    assert resolve_divisions(_gpt(n_head=4), gpt_plan(), 2)["blocks.1.attn"] == {"n_head": 2}
+    with pytest.raises(ValueError, match=r"n_head = 2 is not divisible by tp=4"):
+        resolve_plan(_gpt(n_head=2), gpt_plan(), 4)  # every width divides by 4, the heads do not
+    with pytest.raises(ValueError, match="no int attribute 'heads'"):
+        resolve_plan(_gpt(), {"blocks.*.attn": Divide("heads")}, 2)
+    with pytest.raises(ValueError, match="name one or more attributes"):
+        Divide()
+
+
+def test_plan_for_picks_the_provided_plans_and_says_how_to_write_one():
+    from transformers import AutoModelForCausalLM
+
+    from tests._hf import tiny_config
+
+    assert plan_for(_gpt()) == gpt_plan()
+    assert plan_for(AutoModelForCausalLM.from_config(tiny_config("llama", 50))) == hf_llama_plan()
+    with pytest.raises(ValueError, match="Write one"):
+        plan_for(nn.Linear(2, 2))

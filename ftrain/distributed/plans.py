@@ -45,6 +45,7 @@ __all__ = [
     "hf_llama_plan",
     "check_mesh_shape",
     "is_conv1d",
+    "plan_for",
     "local_piece",
     "join_pieces",
 ]
@@ -252,6 +253,27 @@ def hf_llama_plan() -> dict[str, object]:
         "model.layers.*.mlp.up_proj": Colwise(),
         "model.layers.*.mlp.down_proj": Rowwise(),
     }
+
+
+def plan_for(model: nn.Module) -> dict[str, object]:
+    """The provided plan for ``model``: :func:`gpt_plan` for ``ftrain.models.GPT``,
+    :func:`hf_gpt2_plan` / :func:`hf_llama_plan` for a Hugging Face model whose config's
+    ``model_type`` is ``gpt2`` / ``llama``; for another model a ``ValueError`` that says how to
+    write one."""
+    from ftrain.models import GPT
+
+    if isinstance(model, GPT):
+        return gpt_plan()
+    kind = getattr(getattr(model, "config", None), "model_type", None)
+    plans = {"gpt2": hf_gpt2_plan, "llama": hf_llama_plan}
+    if kind in plans:
+        return plans[kind]()
+    raise ValueError(
+        f"tensor parallel: no provided plan for {type(model).__name__} (model_type {kind!r}); "
+        f"plans exist for ftrain's GPT and Hugging Face {sorted(plans)}. Write one: module-path "
+        "patterns -> Colwise()/Rowwise()/Divide(...) (docs/tensor-parallel.md), and pass it to "
+        "ft.tensor_parallel(model, plan, mesh)."
+    )
 
 
 def check_mesh_shape(shape: Mapping[str, int], world_size: int) -> dict[str, int]:
