@@ -21,7 +21,7 @@ STEPS, ROWS = 3, 8
 def _setup(opt, compose=False, model=None):
     model = model if model is not None else tiny_gpt(n_layer=2)
     step = ft.train_step(lm_loss(model) if not _is_hf(model) else _hf_loss(model), opt)
-    if compose == "fp32":
+    if compose == "fp32":  # accumulate + checkpoint
         step = ft.accumulate(ft.checkpoint(step), 2)
     elif compose == "bf16":
         step = ft.accumulate(ft.checkpoint(ft.autocast(step, dtype=torch.bfloat16)), 2)
@@ -29,6 +29,8 @@ def _setup(opt, compose=False, model=None):
 
 
 def _opt(compose):
+    if compose == "muon":  # Newton-Schulz on each whole matrix: gathered per matrix
+        return ft.optim.muon_adamw(0.02, 1e-3, weight_decay=0.1, mask=ft.optim.decay_mask)
     # adamw's update is near +-lr for any gradient, so a k-projection bias (its gradient is zero
     # up to rounding: softmax ignores a shift of every key) moves by rounding noise; a small lr
     # keeps that below the tolerance. sgd for bf16, whose rounding adamw would amplify the same way.
@@ -165,6 +167,7 @@ def _load_onto(path):
 def _two_ranks(path):
     return {
         "gpt": _train_tp(False),
+        "muon": _train_tp("muon"),
         "gpt2": _train_tp(False, model=_hf("gpt2"), plan=hf_gpt2_plan(), rows=4),
         "llama": _train_tp(False, model=_hf("llama"), plan=hf_llama_plan(), rows=4),
         "errors": _errors(),
@@ -180,6 +183,10 @@ def two(four):
 def test_tp2_equals_one_process_for_gpt_and_hugging_face_models(two):
     _close(two[0]["gpt"][0].params, _one_process().params, 1e-5)
     _close(two[1]["gpt"][0].params, two[0]["gpt"][0].params, 0)
+    # Muon (AdamW for the rest) on the pieces: each matrix gathered whole for Newton-Schulz,
+    # which runs in bf16, so a rounding difference of the gradients may flip a bf16 rounding of
+    # the update (lr x 2^-8 = 8e-5 at most)
+    _close(two[0]["muon"][0].params, _one_process("muon").params, 1e-4)
     for kind in ("gpt2", "llama"):
         want = _one_process(model=_hf(kind), rows=4)
         _close(two[0][kind][0].params, want.params, 1e-5)
