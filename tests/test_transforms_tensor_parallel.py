@@ -183,10 +183,11 @@ def two(four):
 def test_tp2_equals_one_process_for_gpt_and_hugging_face_models(two):
     _close(two[0]["gpt"][0].params, _one_process().params, 1e-5)
     _close(two[1]["gpt"][0].params, two[0]["gpt"][0].params, 0)
-    # Muon (AdamW for the rest) on the pieces: each matrix gathered whole for Newton-Schulz,
-    # which runs in bf16, so a rounding difference of the gradients may flip a bf16 rounding of
-    # the update (lr x 2^-8 = 8e-5 at most)
-    _close(two[0]["muon"][0].params, _one_process("muon").params, 1e-4)
+    # Muon (AdamW for the rest) on the pieces: each matrix gathered whole for Newton-Schulz. NS
+    # (in bf16) maps every singular value to about 1, also the tiny ones that rounding sets, so
+    # the pieces' rounding shows at a few percent of lr = 0.02; orthogonalizing each piece on its
+    # own instead would differ by about lr
+    _close(two[0]["muon"][0].params, _one_process("muon").params, 2e-3)
     for kind in ("gpt2", "llama"):
         want = _one_process(model=_hf(kind), rows=4)
         _close(two[0][kind][0].params, want.params, 1e-5)
