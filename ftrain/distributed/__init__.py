@@ -26,6 +26,7 @@ from ftrain.distributed.sequence import (
     split_sequence,
     sum_partial_grads,
 )
+from ftrain.distributed.vocab import vocab_parallel_cross_entropy, vocab_parallel_token_losses
 from ftrain.distributed.zero import (
     STRATEGIES,
     local_bytes,
@@ -56,4 +57,6 @@ __all__ = [
     "track_gathered",
     "unshard",
     "unshard_state",
+    "vocab_parallel_cross_entropy",
+    "vocab_parallel_token_losses",
 ]
