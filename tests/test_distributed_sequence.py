@@ -95,7 +95,32 @@ def _ranks():
             fn(torch.randn(B, T + 1, 4 * C // tp), None)
         except ValueError as e:
             errors.append(str(e))
-    return y.detach(), y_piece.detach(), x.grad, {k: v.grad for k, v in p.items()}, errors
+    return (
+        y.detach(),
+        y_piece.detach(),
+        x.grad,
+        {k: v.grad for k, v in p.items()},
+        errors,
+        _autocast(p["fc.w"].detach(), p["fc.b"].detach(), tp),
+    )
+
+
+def _autocast(w, b, tp):
+    """colwise_linear_sp under bf16 autocast: bf16 output, fp32 gradients near the fp32 ones."""
+    from ftrain.distributed.sequence import colwise_linear_sp
+    from ftrain.testing import max_rel_error
+
+    x = torch.randn(B, T // tp, C)
+    runs = []
+    for enabled in (False, True):
+        leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled):
+            y = colwise_linear_sp(*leaves, None)
+        y.float().square().sum().backward()
+        runs.append((y, *(t.grad for t in leaves)))
+    (_, *grads32), (bf16, *grads16) = runs
+    dtypes = [t.dtype for t in (bf16, *grads16)]
+    return dtypes, max(max_rel_error(a, e) for a, e in zip(grads16, grads32))
 
 
 def test_sequence_parallel_block_equals_one_process():
@@ -106,7 +131,9 @@ def test_sequence_parallel_block_equals_one_process():
     (y * w).sum().backward()
 
     results = run_distributed(_ranks, 2)
-    for rank, (y_r, piece_r, xg_r, _, errors) in enumerate(results):
+    for rank, (y_r, piece_r, xg_r, _, errors, (dtypes, bf16_error)) in enumerate(results):
+        assert dtypes == [torch.bfloat16] + [torch.float32] * 3
+        assert bf16_error < 2e-2
         torch.testing.assert_close(y_r, y.detach(), rtol=1e-5, atol=1e-5)
         assert torch.equal(piece_r, y_r.chunk(2, dim=1)[rank])  # gathered in rank order
         torch.testing.assert_close(xg_r, x.grad, rtol=1e-5, atol=1e-5)

@@ -154,10 +154,33 @@ def reduce_scatter_sequence(x: torch.Tensor, group, dim: int = 1) -> torch.Tenso
 def colwise_linear_sp(x_piece, weight_piece, bias_piece, group, dim: int = 1) -> torch.Tensor:
     """Column-parallel linear on a sequence slice: the sequence is all-gathered, then multiplied by
     this rank's rows of the weight (``(out / tp, in)``); the result is whole along the sequence
-    and split along the features, as ``tp.colwise_linear``'s. In backward the input's gradient is
-    reduce-scattered, which stands in for ``tp.copy_to_tp``'s all-reduce (so that function is not
-    used here: it would sum the gradient twice)."""
-    return F.linear(gather_sequence(x_piece, group, dim), weight_piece, bias_piece)
+    and split along the features, as ``tp.colwise_linear``'s.
+
+    Only the slice ``x_piece`` is kept for backward, not the gathered input: backward all-gathers
+    it again for the weight's gradient (one more all-gather per layer, as Megatron-LM does, so
+    that no whole activation is stored between the pairs). The input's gradient is
+    reduce-scattered, standing in for ``tp.copy_to_tp``'s all-reduce (which would sum it twice,
+    so that function is not used here). Under autocast the matmuls run in the autocast dtype and
+    each gradient comes back in its tensor's own dtype."""
+    return _ColwiseSP.apply(x_piece, weight_piece, bias_piece, group, dim)
+
+
+class _ColwiseSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_piece, weight, bias, group, dim):
+        ctx.group, ctx.dim, ctx.bias_dtype = group, dim, None if bias is None else bias.dtype
+        ctx.save_for_backward(x_piece, weight)
+        return F.linear(_gather(x_piece, group, dim), weight, bias)  # (..., T, ..., out / tp)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x_piece, weight = ctx.saved_tensors
+        whole = _gather(x_piece, ctx.group, ctx.dim).to(grad.dtype)  # (..., T, ..., in)
+        grad_x = _reduce_scatter(grad @ weight.to(grad.dtype), ctx.group, ctx.dim)
+        rows = grad.reshape(-1, grad.shape[-1])  # (tokens, out / tp)
+        grad_w = rows.t() @ whole.reshape(-1, whole.shape[-1])  # (out / tp, in)
+        grad_b = None if ctx.bias_dtype is None else rows.sum(0).to(ctx.bias_dtype)
+        return grad_x.to(x_piece.dtype), grad_w.to(weight.dtype), grad_b, None, None
 
 
 def rowwise_linear_sp(x_piece, weight_piece, bias, group, dim: int = 1) -> torch.Tensor:
