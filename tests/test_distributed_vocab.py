@@ -1,6 +1,7 @@
 """The vocabulary-parallel cross-entropy on 2 gloo ranks equals F.cross_entropy on the whole
-logits (loss, per-token losses, gradient; ignore_index and a mask), holds half of the logits'
-memory per rank, and refuses a vocabulary that does not divide and a target outside it."""
+logits (loss, per-token losses, gradient; ignore_index and a mask; behind a column-parallel
+lm_head on sequence slices), holds half of the logits' memory per rank, and refuses a vocabulary
+that does not divide and a target outside it."""
 
 import torch
 import torch.nn.functional as F
@@ -9,6 +10,13 @@ from ftrain.testing import run_distributed, track_allocations
 
 N, V = 13, 10  # tokens, vocabulary (divides by 2)
 BIG_N, BIG_V = 64, 512  # for the memory measurement
+B, T, C = 2, 4, 6  # the lm_head under sequence parallelism
+
+
+def _head():
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(B, T, C, generator=g)
+    return hidden, torch.randn(V, C, generator=g), torch.randint(0, V, (B, T), generator=g)
 
 
 def _inputs():
@@ -30,7 +38,7 @@ def _ranks():
     import torch.distributed as dist
 
     from ftrain.distributed.vocab import vocab_parallel_cross_entropy, vocab_parallel_token_losses
-    from tests.test_distributed_vocab import V, _big, _inputs
+    from tests.test_distributed_vocab import V, _big, _head, _inputs
 
     rank = dist.get_rank()
     logits, targets, mask = _inputs()
@@ -63,6 +71,16 @@ def _ranks():
     with track_allocations() as mem:
         vocab_parallel_cross_entropy(big_piece, big_targets).value.backward()
     out["peak"] = mem.peak
+
+    # a column-parallel lm_head on sequence slices, its logits never gathered
+    from ftrain.distributed.sequence import colwise_linear_sp
+
+    hidden, head, targets = _head()
+    h_piece = hidden.chunk(2, dim=1)[rank].clone().requires_grad_()  # (B, T / 2, C)
+    w_piece = head.chunk(2, dim=0)[rank].clone().requires_grad_()  # (V / 2, C)
+    logits = colwise_linear_sp(h_piece, w_piece, None, None)  # (B, T, V / 2)
+    vocab_parallel_cross_entropy(logits, targets).value.backward()
+    out["head"] = (h_piece.grad, w_piece.grad)
     return out
 
 
@@ -82,6 +100,9 @@ def test_vocab_parallel_cross_entropy_equals_whole_logits():
         F.cross_entropy(big, big_targets).backward()
     whole_peak = mem.peak
 
+    hidden, head, head_targets = (t.requires_grad_(t.is_floating_point()) for t in _head())
+    F.cross_entropy(F.linear(hidden, head).view(-1, V), head_targets.view(-1)).backward()
+
     results = run_distributed(_ranks, 2)
     for rank, out in enumerate(results):
         total, count, value, grad = out["fp32"]
@@ -95,6 +116,10 @@ def test_vocab_parallel_cross_entropy_equals_whole_logits():
         assert grad.dtype == torch.bfloat16
         expected = half.grad.view(N, 1, V).chunk(2, dim=-1)[rank].bfloat16()
         torch.testing.assert_close(grad, expected, rtol=0, atol=0)
+
+        h_grad, w_grad = out["head"]
+        torch.testing.assert_close(h_grad, hidden.grad.chunk(2, dim=1)[rank], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(w_grad, head.grad.chunk(2, dim=0)[rank], rtol=1e-6, atol=1e-6)
 
         uneven, outside = out["errors"]
         assert uneven.startswith("vocab_parallel_cross_entropy(logits_piece)")
