@@ -218,6 +218,10 @@ def sequence_dropout(
     sequence with the same key, whatever the tp size, so no two positions share a mask (the
     failure of one shared generator seed, which would repeat a rank's mask on every slice) and a
     run keeps its masks when the tp size changes. Pass the same key on every rank of the group.
+    On a whole activation that every rank holds (plain TP, ``offset=0``) the ranks draw the same
+    mask, which keeps the replicas equal. Not for a tensor split along another dimension (heads
+    or features inside a column/row pair): ranks holding the same positions would share masks;
+    give those ``rng.fold_in(key, rank)``.
     """
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"sequence_dropout(p={p!r}): p must be in [0, 1].")
