@@ -26,7 +26,17 @@ from ftrain.distributed.plans import (
     hf_gpt2_plan,
     hf_llama_plan,
 )
+from ftrain.distributed.sequence import (
+    colwise_linear_sp,
+    gather_sequence,
+    reduce_scatter_sequence,
+    rowwise_linear_sp,
+    sequence_dropout,
+    split_sequence,
+    sum_partial_grads,
+)
 from ftrain.distributed.tp_layout import tp_mesh
+from ftrain.distributed.vocab import vocab_parallel_cross_entropy, vocab_parallel_token_losses
 from ftrain.distributed.zero import (
     STRATEGIES,
     local_bytes,
@@ -46,15 +56,24 @@ __all__ = [
     "STRATEGIES",
     "DistributedError",
     "check_mesh",
+    "colwise_linear_sp",
     "default_mesh",
+    "gather_sequence",
     "init",
     "is_initialized",
     "local_bytes",
     "rank_and_world",
+    "reduce_scatter_sequence",
+    "rowwise_linear_sp",
     "require_group",
     "run_distributed",
+    "sequence_dropout",
     "shard_state",
+    "split_sequence",
+    "sum_partial_grads",
     "track_gathered",
     "unshard",
     "unshard_state",
+    "vocab_parallel_cross_entropy",
+    "vocab_parallel_token_losses",
 ]
