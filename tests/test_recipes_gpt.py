@@ -132,16 +132,34 @@ def _build_data_on_this_rank(data_dir: str):
     ftrain.data.build_token_dataset = lambda *a, **kw: built.append(rank) or real(*a, **kw)
     _, valid = gpt.build_data(TrainConfig(data_dir=data_dir, seq_len=16), rank=rank, world=world,
                               quiet=True)  # fmt: skip
-    return built, len(valid), valid[0]["input"]
+
+    def broken(*a, **kw):
+        raise ValueError("no documents here")
+
+    ftrain.data.build_token_dataset = broken  # rank 0's build fails: no rank may wait for it
+    try:
+        gpt.build_data(TrainConfig(data_dir=data_dir + "-2", seq_len=16), rank=rank, world=world,
+                       quiet=True)  # fmt: skip
+        failure = None
+    except Exception as e:
+        failure = (type(e).__name__, str(e))
+    return built, len(valid), valid[0]["input"], failure
 
 
 def test_data_is_built_by_rank_0_and_opened_by_every_rank(tmp_path):
     """Under torchrun every process builds the recipe at once: only rank 0 writes the token build
-    (two writers of one folder race on its files); the others open it after a barrier."""
+    (two writers of one folder race on its files); the others open it once rank 0 has written it,
+    and stop with rank 0's error when its build fails."""
     ranks = ft.distributed.run_distributed(_build_data_on_this_rank, 2, str(tmp_path / "tokens"))
-    assert [built for built, _, _ in ranks] == [[0], []]
-    (_, n0, row0), (_, n1, row1) = ranks
+    assert [built for built, *_ in ranks] == [[0], []]
+    (_, n0, row0, fail0), (_, n1, row1, fail1) = ranks
     assert n0 == n1 > 0 and torch.equal(row0, row1)
+    # a failed build on rank 0 stops every rank with its error (none waits for a go-ahead)
+    assert fail0 == ("ValueError", "no documents here")
+    assert fail1 == (
+        "RuntimeError",
+        "the token build on rank 0 failed: ValueError: no documents here",
+    )
 
 
 def test_build_model_leaves_the_global_generator_as_it_was():

@@ -90,17 +90,29 @@ def build_data(
     stream, resumable) and the validation dataset (with ``--pack``: rows with position ids).
 
     In a process group of ``world`` processes, rank 0 builds (or finds the cache) while the others
-    wait at a barrier, then every process opens the build: two writers of the same folder would
-    race on its files. The folder must then be one all processes see (one machine, or a shared
+    wait for it, then every process opens the build: two writers of the same folder would race on
+    its files. If rank 0's build fails, every rank raises (the others a ``RuntimeError`` quoting
+    rank 0's error). The folder must then be one all processes see (one machine, or a shared
     filesystem)."""
     path = data_dir(cfg)
     together = world > 1 and ft.distributed.is_initialized()
-    if rank == 0 or not together:
-        summary = data.build_token_dataset(corpus.sources(cfg), path, tokenizer, progress=not quiet)
-        if not quiet:
-            corpus.report_build(summary)  # what it skipped, and why
-    if together:
-        torch.distributed.barrier()  # the others open the build only once rank 0 has written it
+    if not together:
+        _build_tokens(cfg, path, tokenizer, quiet)
+    else:
+        # the others open the build only once rank 0 has written it; rank 0's failure is sent to
+        # them in place of the go-ahead, so that every rank stops with it instead of waiting
+        failure = None
+        if rank == 0:
+            try:
+                _build_tokens(cfg, path, tokenizer, quiet)
+            except Exception as e:
+                failure = e
+        box = [None if failure is None else f"{type(failure).__name__}: {failure}"]
+        torch.distributed.broadcast_object_list(box, src=0)
+        if failure is not None:
+            raise failure
+        if box[0] is not None:
+            raise RuntimeError(f"the token build on rank 0 failed: {box[0]}")
     train_ds = data.TokenDataset(path, cfg.seq_len, seed=cfg.seed, split="train", pack=cfg.pack)
     valid_ds = data.TokenDataset(path, cfg.seq_len, seed=cfg.seed, split="valid", pack=cfg.pack)
     rows = cfg.batch_size * cfg.micro_batches  # per process per optimizer step
@@ -109,6 +121,12 @@ def build_data(
     loader = data.loader(train_ds, rows, seed=cfg.seed, infinite=True, num_workers=cfg.num_workers,
                          rank=rank // cfg.tp, world_size=world // cfg.tp)  # fmt: skip
     return loader, valid_ds
+
+
+def _build_tokens(cfg: TrainConfig, path, tokenizer, quiet: bool) -> None:
+    summary = data.build_token_dataset(corpus.sources(cfg), path, tokenizer, progress=not quiet)
+    if not quiet:
+        corpus.report_build(summary)  # what it skipped, and why
 
 
 # -- model and loss ---------------------------------------------------------------------------

@@ -124,9 +124,8 @@ class Lora(Transform):
             node = params
             for part in path.split("."):
                 node = node[part]
-            delta = node["lora_B"] @ node["lora_A"]  # (out, r) @ (r, in) -> (out, in)
             i = tdef.index(f"{path}.weight")
-            values[i] = values[i] + self.scaling * (delta.T if transposed else delta)
+            values[i] = values[i] + _delta(node["lora_B"], node["lora_A"], self.scaling, transposed)
         return tdef.unflatten(values)
 
 
@@ -237,13 +236,21 @@ def merge_lora(state: TrainState) -> TensorDict:
     flat = {k: v.detach().clone() for k, v in tree.to_flat(entry["base"]).items()}
     adapters = tree.to_flat(state.params)
     for path, transposed in tree.to_flat(entry["fan_in_fan_out"]).items():
-        delta = adapters[f"{path}.lora_B"] @ adapters[f"{path}.lora_A"]  # (out, in)
-        delta = delta.T if bool(transposed) else delta
-        flat[f"{path}.weight"] += (scaling * delta).to(flat[f"{path}.weight"].dtype)
+        delta = _delta(adapters[f"{path}.lora_B"], adapters[f"{path}.lora_A"], scaling, transposed)
+        flat[f"{path}.weight"] += delta.to(flat[f"{path}.weight"].dtype)
     return tree.from_flat(flat)
 
 
 # -- helpers --------------------------------------------------------------------------------------
+
+
+def _delta(lora_b: torch.Tensor, lora_a: torch.Tensor, scaling: float, transposed) -> torch.Tensor:
+    """The adapter's update ``scaling * B @ A`` laid out like its target's weight: ``(out, in)``,
+    or ``(in, out)`` for a transposed (``Conv1D``) target."""
+    delta = scaling * (lora_b @ lora_a)  # (out, r) @ (r, in) -> (out, in)
+    return delta.T if bool(transposed) else delta
+
+
 def _layout(module: nn.Module) -> tuple[bool, tuple[int, int]] | None:
     """``(fan_in_fan_out, (in, out))`` of a linear layer, None for any other module."""
     if isinstance(module, nn.Linear):
