@@ -31,7 +31,7 @@ from tensordict import TensorDictBase
 from ftrain import tree
 from ftrain.distributed.dtensor import dtensor, from_local, is_dtensor, local
 from ftrain.memory.layout import rows
-from ftrain.memory.tracker import fake_like
+from ftrain.memory.tracker import fake_like, reduce_scatter_input
 from ftrain.state import TrainState
 from ftrain.step import Step
 
@@ -99,12 +99,9 @@ def backend_transient(mesh) -> Callable[..., int] | None:
     is alive for the extent of the call. None for other backends (NCCL reduces in place)."""
     if dist.get_backend(mesh.get_group()) != "gloo":
         return None
-    reduce_scatter = torch.ops.c10d._reduce_scatter_base_.default
 
     def transient(func, args, kwargs) -> int:
-        if func is not reduce_scatter:
-            return 0
-        send = args[1]  # (output, input, group, op, async, timeout)
-        return send.numel() * send.element_size()
+        send = reduce_scatter_input(func, args)
+        return 0 if send is None else send.numel() * send.element_size()
 
     return transient

@@ -16,7 +16,9 @@ would be a documented ``torch.utils`` home for them:
   fake mode is active: the step's small counters stay real, so ``int(state.step)`` still works),
 * a DTensor's ``_local_tensor`` (``DTensor.to_local()`` would dispatch an op of its own),
 * ``torch.utils._python_dispatch.TorchDispatchMode`` and ``torch.utils._pytree.tree_leaves``
-  (public extension points from modules still named private).
+  (public extension points from modules still named private),
+* ``torch.ops.c10d._reduce_scatter_base_``, the op ``dist.reduce_scatter_tensor`` dispatches
+  (:func:`reduce_scatter_input`; a public replacement would be a documented op name).
 """
 
 from __future__ import annotations
@@ -83,6 +85,14 @@ def fake_tree(td: TensorDictBase, mode) -> TensorDictBase:
 def tensor_leaves(tree: Any) -> list[torch.Tensor]:
     """The tensors in a nest of tuples, lists and dicts."""
     return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def reduce_scatter_input(func, args: tuple) -> torch.Tensor | None:
+    """The input of a flat reduce-scatter (the op ``torch.distributed.reduce_scatter_tensor``
+    dispatches, seen by a ``TorchDispatchMode``); None for any other op."""
+    if func is torch.ops.c10d._reduce_scatter_base_.default:
+        return args[1]  # (output, input, group, op, async, timeout)
+    return None
 
 
 def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
@@ -183,8 +193,6 @@ class LiveBytes(TorchDispatchMode):
                 out = func(*args, **kwargs)
         else:
             out = func(*args, **kwargs)
-        if self.transient is not None:
-            self._reach(self.live + self.transient(func, args, kwargs))
         formula = flop_registry.get(getattr(func, "_overloadpacket", None))
         if formula is not None:
             self.flops += int(formula(*args, **kwargs, out_val=out))
@@ -193,4 +201,6 @@ class LiveBytes(TorchDispatchMode):
             if taken and id(storage_of(t)) in taken:
                 continue
             self._count(t)
+        if self.transient is not None:  # beside its outputs, for the extent of the op
+            self._reach(self.live + self.transient(func, args, kwargs))
         return out
