@@ -99,6 +99,18 @@ def two_ranks(tmp_path_factory) -> list[dict]:
     return run_distributed(on_two_ranks, WORLD, str(tmp_path_factory.mktemp("two_ranks")))
 
 
+# --- the memory planner's 2-rank run (tests/test_memory_plan.py, tests/test_memory_fsdp.py) ------
+
+
+@pytest.fixture(scope="session")
+def memory_ranks() -> list[dict]:
+    """What :func:`_memory_ranks.on_two_ranks` returned on each of 2 gloo processes, in rank
+    order: ``ft.memory``'s predicted and the measured peaks under ddp, zero1, zero2 and fsdp."""
+    from _memory_ranks import on_two_ranks
+
+    return run_distributed(on_two_ranks, 2, timeout=240)
+
+
 # --- sharded checkpoints (tests/test_io_sharded.py, test_io_reshard.py, test_io_consolidate.py) ---
 
 

@@ -15,6 +15,7 @@ import ftrain as ft
 from ftrain import optim
 from ftrain.testing import peak_bytes
 
+from _memory_ranks import SHARDED
 from _tiny import lm_batch, lm_loss, tiny_gpt
 
 OPTIMIZERS = {
@@ -154,51 +155,9 @@ def test_a_7b_plan_takes_under_a_minute_and_2_gib():
     assert got["peak"] > got["state"]
 
 
-# -- under ft.shard, 2 gloo ranks: one run_distributed call for every strategy ------------------
-SHARDED = [
-    (strategy, k, policy, precision, opt_name)
-    for strategy in ("ddp", "zero1", "zero2", "fsdp")
-    for k, policy, precision, opt_name in [
-        (1, "none", "fp32", "adamw"),
-        (2, "blocks", "bf16", "adamw"),
-        (4, "selective", "fp32", "adafactor"),
-    ]
-] + [("fsdp", 1, "blocks", "fp32", "adamw")]
-
-
-def _on_ranks(configs):
-    """Each config's predicted and measured peak on this rank (runs in each gloo process)."""
-    out = []
-    for strategy, k, policy, precision, opt_name in configs:
-        step, state, _ = composed("larger", k, policy, precision, opt_name)
-        step = ft.shard(step, strategy)
-        state = ft.shard_state(state, strategy)
-        batch = lm_batch(4, seed=torch.distributed.get_rank(), length=32)  # this rank's rows
-        out.append((ft.memory(step, state, batch).peak, peak_bytes(step, state, batch)))
-    return out
-
-
-@pytest.fixture(scope="module")
-def sharded_peaks():
-    from ftrain.testing import run_distributed
-
-    ranks = run_distributed(_on_ranks, 2, SHARDED)
-    return {c: [r[i] for r in ranks] for i, c in enumerate(SHARDED)}
-
-
-@pytest.mark.parametrize("config", [c for c in SHARDED if c[0] != "fsdp"], ids=str)
-def test_sharded_peak_within_10_percent_on_each_rank(sharded_peaks, config):
-    for predicted, measured in sharded_peaks[config]:
+# -- under ft.shard, 2 gloo ranks (conftest.py's memory_ranks; fsdp: test_memory_fsdp.py) ------
+@pytest.mark.parametrize("config", SHARDED, ids=str)
+def test_sharded_peak_within_10_percent_on_each_rank(memory_ranks, config):
+    for out in memory_ranks:
+        predicted, measured = out["sharded"][config]
         assert abs(predicted / measured - 1) < 0.10, (config, predicted, measured)
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="fsdp is modeled from the unsharded phases and block sizes, not run: k=1 blocks fp32 "
-    "is 22% under here (the per-block gathers, regathers and reduce-scatters of backward are not "
-    "replayed; benchmarks/RESULTS.md 'Memory planning under fsdp' has 19 compositions)",
-)
-def test_fsdp_peak_within_10_percent(sharded_peaks):
-    for config in [c for c in SHARDED if c[0] == "fsdp"]:
-        for predicted, measured in sharded_peaks[config]:
-            assert abs(predicted / measured - 1) < 0.10, (config, predicted, measured)

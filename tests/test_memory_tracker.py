@@ -56,3 +56,30 @@ def test_fresh_only_skips_what_existed_before():
             counts[fresh] = live.live
         del v, y
     assert counts == {False: 8000, True: 4000}
+
+
+def test_a_transient_counts_toward_the_peaks_for_one_op_only():
+    def only_cat(func, args, kwargs):
+        return 10_000 if func is torch.ops.aten.cat.default else 0
+
+    live = LiveBytes(transient=only_cat)
+    with live:
+        a = torch.ones(1000)  # 4000
+        live.mark("cat")
+        b = torch.cat([a, a])  # +8000 alive, and 10000 more while cat runs
+        c = a + 1  # +4000: live 16000, under the peak the transient made
+    assert live.peak == 4000 + 8000 + 10_000 and live.since("cat") == live.peak
+    assert live.live == 4000 + 8000 + 4000  # never counted as alive
+    del a, b, c
+
+
+def test_fake_like_keeps_small_leaves_real_and_fakes_the_rest():
+    from ftrain.memory.tracker import fake_like, is_fake
+
+    mode = fake_mode()
+    counter = torch.tensor(3)
+    big = torch.ones(100, 4)
+    assert fake_like(counter, mode) is counter  # read as a number by the step
+    fake = fake_like(big, mode)
+    assert is_fake(fake) and fake.shape == big.shape and not is_fake(big)
+    assert fake_like(torch.empty(2, device="meta"), mode).sum().item() == 0  # real zeros

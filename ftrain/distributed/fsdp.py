@@ -151,7 +151,9 @@ class _Session:
 
     def __init__(self, mesh):
         self.mesh = mesh
-        self.saved: dict[int, tuple[_Gathered, int, torch.dtype]] = {}  # storage ptr -> source
+        # the storage of each whole tensor alive now -> its source; keyed by the storage itself
+        # (a weak reference), not its address: fake tensors (ft.memory's plan) all have address 0
+        self.saved: dict[Any, tuple[_Gathered, int, torch.dtype]] = {}
         self.trackers = _TRACKERS.get()  # read here, on the thread that runs the step
         self.plan: BackwardPlan | None = None  # of the micro-batch whose forward ran last
 
@@ -175,12 +177,12 @@ class _Session:
             return
         gathered = _Gathered(self, shards)
         whole = _GatherFn.apply(gathered, *shards)
-        ptrs = []
+        keys = []
         if torch.is_grad_enabled():  # saved for backward: packed as a reference (see pack)
             for i, w in enumerate(whole):
-                ptr = w.untyped_storage().data_ptr()
-                self.saved[ptr] = (gathered, i, w.dtype)
-                ptrs.append(ptr)
+                key = _storage_key(w)
+                self.saved[key] = (gathered, i, w.dtype)
+                keys.append(key)
         for (table, name), t in zip(slots, current):
             if id(t) in order:
                 table[name] = whole[order[id(t)]]
@@ -189,12 +191,16 @@ class _Session:
         finally:
             for (table, name), t in zip(slots, current):
                 table[name] = t
-            for p in ptrs:  # the whole tensors die now; their addresses may be reused
-                self.saved.pop(p, None)
+            for key in keys:  # the whole tensors die now
+                self.saved.pop(key, None)
 
     def pack(self, t: torch.Tensor) -> Any:
-        if self.saved and type(t) is torch.Tensor and t.layout == torch.strided:
-            hit = self.saved.get(t.untyped_storage().data_ptr())
+        # plain tensors, and the fake ones ft.memory plans with; never a DTensor (a shard)
+        if self.saved and t.layout == torch.strided and not is_dtensor(t):
+            try:
+                hit = self.saved.get(_storage_key(t))
+            except (RuntimeError, NotImplementedError, TypeError):  # a subclass without a storage
+                return t
             if hit is not None and hit[2] == t.dtype:
                 return _Regather(hit[0], hit[1], t.size(), t.stride(), t.storage_offset())
         return t
@@ -205,6 +211,13 @@ class _Session:
             whole = x.gathered.regather(x.index)
             return whole.as_strided(x.size, x.stride, x.offset)
         return x
+
+
+def _storage_key(t: torch.Tensor) -> Any:
+    """A dictionary key for the storage holding ``t``, equal for every view of it."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(t.untyped_storage())
 
 
 _SESSION: Scoped[_Session | None] = Scoped("ftrain fsdp session", None)

@@ -15,8 +15,8 @@ zero2      ``reduce``: a flat whole copy (the reduce-scatter's input) and this r
            ``optimizer`` as zero1.
 =========  ====================================================================================
 
-``fsdp`` gathers each block's parameters inside the forward and the backward; it is planned in
-:mod:`ftrain.memory.plan` from the measured phases and the blocks' sizes instead.
+``fsdp`` gathers each block's parameters inside the forward and the backward; no stand-in is
+made for it: the planner runs the sharded step itself on fake shards (:mod:`ftrain.memory.fsdp`).
 """
 
 from __future__ import annotations

@@ -16,7 +16,9 @@ would be a documented ``torch.utils`` home for them:
   fake mode is active: the step's small counters stay real, so ``int(state.step)`` still works),
 * a DTensor's ``_local_tensor`` (``DTensor.to_local()`` would dispatch an op of its own),
 * ``torch.utils._python_dispatch.TorchDispatchMode`` and ``torch.utils._pytree.tree_leaves``
-  (public extension points from modules still named private).
+  (public extension points from modules still named private),
+* ``torch.ops.c10d._reduce_scatter_base_``, the op ``dist.reduce_scatter_tensor`` dispatches
+  (:func:`reduce_scatter_input`; a public replacement would be a documented op name).
 """
 
 from __future__ import annotations
@@ -26,12 +28,27 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from tensordict import TensorDictBase
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
-__all__ = ["LiveBytes", "fake_mode", "is_fake", "storage_of", "tensor_leaves"]
+from ftrain import tree
+
+__all__ = [
+    "LiveBytes",
+    "fake_mode",
+    "is_fake",
+    "fake_like",
+    "fake_tree",
+    "storage_of",
+    "tensor_leaves",
+]
+
+# Leaves this small stay real tensors (counters, the random key, learning rates): the step reads
+# some of them as Python numbers, and their bytes do not matter.
+_SMALL = 8
 
 
 def fake_mode() -> FakeTensorMode:
@@ -40,13 +57,42 @@ def fake_mode() -> FakeTensorMode:
 
 
 def is_fake(t: object) -> bool:
-    """Whether ``t`` is a fake tensor (shapes and dtypes, no data)."""
-    return isinstance(t, FakeTensor)
+    """Whether ``t`` is a fake tensor (shapes and dtypes, no data); a DTensor: whether its local
+    shard is."""
+    return isinstance(getattr(t, "_local_tensor", t), FakeTensor)
+
+
+def fake_like(t: torch.Tensor, mode, device: torch.device | None = None) -> torch.Tensor:
+    """A fake tensor shaped like ``t`` (a DTensor: like the whole tensor) on ``device`` (default:
+    ``t``'s, the CPU for ``meta``); small leaves stay real (zeros where ``t`` has no data)."""
+    if t.numel() <= _SMALL and not is_fake(t):
+        if t.is_meta:
+            return torch.zeros(t.shape, dtype=t.dtype)
+        full = getattr(t, "full_tensor", None)  # a DTensor: its whole value
+        return full() if full is not None and type(t) is not torch.Tensor else t
+    if device is None:
+        device = torch.device("cpu") if t.is_meta else t.device
+    with mode:
+        return torch.empty(tuple(t.shape), dtype=t.dtype, device=device)
+
+
+def fake_tree(td: TensorDictBase, mode) -> TensorDictBase:
+    """``td`` with every leaf replaced by :func:`fake_like` of it."""
+    values, tdef = tree.flatten(td)
+    return tdef.unflatten([fake_like(t, mode) for t in values])
 
 
 def tensor_leaves(tree: Any) -> list[torch.Tensor]:
     """The tensors in a nest of tuples, lists and dicts."""
     return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def reduce_scatter_input(func, args: tuple) -> torch.Tensor | None:
+    """The input of a flat reduce-scatter (the op ``torch.distributed.reduce_scatter_tensor``
+    dispatches, seen by a ``TorchDispatchMode``); None for any other op."""
+    if func is torch.ops.c10d._reduce_scatter_base_.default:
+        return args[1]  # (output, input, group, op, async, timeout)
+    return None
 
 
 def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
@@ -76,11 +122,18 @@ class LiveBytes(TorchDispatchMode):
     ``fresh_only=True`` counts only storages allocated while it is active: an output whose storage
     is one of the op's inputs' (a view or an in-place result of a tensor made before) is skipped
     rather than counted as alive (``ftrain.testing.track_allocations`` and ``saved_bytes``).
+
+    ``transient(func, args, kwargs)``: bytes an op allocates and frees within itself that a fake
+    run does not allocate (a collective backend's own buffer); they count toward the peaks for
+    the extent of the op, never toward ``live``.
     """
 
-    def __init__(self, fresh_only: bool = False) -> None:
+    def __init__(
+        self, fresh_only: bool = False, transient: Callable[..., int] | None = None
+    ) -> None:
         super().__init__()
         self.fresh_only = fresh_only
+        self.transient = transient
         self.live = 0
         self.peak = 0
         self.flops = 0
@@ -114,11 +167,15 @@ class LiveBytes(TorchDispatchMode):
         n = storage.nbytes()
         self._refs[key] = weakref.ref(storage, self._freed(key, n))
         self.live += n
-        if self.live > self.peak:
-            self.peak = self.live
+        self._reach(self.live)
+
+    def _reach(self, level: int) -> None:
+        """Raise the peaks to ``level`` bytes (alive now, or for the extent of one op)."""
+        if level > self.peak:
+            self.peak = level
         for name, p in self._peak_since.items():
-            if self.live > p:
-                self._peak_since[name] = self.live
+            if level > p:
+                self._peak_since[name] = level
 
     def _freed(self, key: int, n: int) -> Callable[[weakref.ref], None]:
         def gone(ref: weakref.ref) -> None:
@@ -144,4 +201,6 @@ class LiveBytes(TorchDispatchMode):
             if taken and id(storage_of(t)) in taken:
                 continue
             self._count(t)
+        if self.transient is not None:  # beside its outputs, for the extent of the op
+            self._reach(self.live + self.transient(func, args, kwargs))
         return out
