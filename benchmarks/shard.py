@@ -1,5 +1,6 @@
 """Shard benchmark: per-rank memory by strategy, and step time relative to ddp, on 2 CPU
-processes (gloo), beside torch's own DistributedDataParallel and FSDP2 (``fully_shard``).
+processes (gloo), beside torch's own DistributedDataParallel and FSDP2 (``fully_shard``), and
+tensor parallelism (``ft.tensor_parallel`` with tp = 2: each rank holds half of every block matrix).
 
     python benchmarks/shard.py            # about 3 minutes on a 2-core CPU; writes RESULTS.md
     python benchmarks/shard.py --quick    # a smoke run at a tiny size, nothing written
@@ -88,6 +89,37 @@ def _on_rank(cfg: GPTConfig, rows: int, rounds: int) -> dict:
             memory[name]["grads"] = _shard_bytes(state.params, rank)
         runs[name] = run
 
+    # tensor parallel, tp = 2 (dp = 1): both ranks take the same whole batch (the two ranks' rows,
+    # so a step covers as many tokens as ddp's), each holding half of every block matrix
+    mesh = ft.distributed.tp_mesh(2)
+    tp = ft.tensor_parallel(template, ft.distributed.gpt_plan(), mesh)
+    opt = ft.optim.adamw(1e-3)
+    tp_step = tp(ft.train_step(loss_fn, opt, donate=True))
+    tp_box = [tp.shard_state(ft.TrainState.create(ft.params_of(template), opt))]
+    rows_of = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows_of, x)
+    whole_x = torch.cat(rows_of)
+    whole_batch = {"input": whole_x, "target": torch.roll(whole_x, -1, dims=1)}
+
+    def run_tp(step=tp_step, box=tp_box):
+        box[0], metrics = step(box[0], whole_batch)
+        float(metrics["loss"])
+
+    run_tp()
+    runs["tp=2"] = run_tp
+    state = tp_box[0]
+    memory["tp=2"] = {
+        "params": local_bytes(state.params),
+        "opt": local_bytes(state.opt_state),
+        "grads": local_bytes(state.params),  # a piece's gradient is a piece; whole params' whole
+        "peak": None,
+    }
+    split = [t for t in ft.tree.leaves(state.params) if _is_split(t)]
+    memory["tp blocks"] = {
+        "split local": sum(_bytes([t]) for t in split),
+        "split whole": sum(t.numel() * t.element_size() for t in split),
+    }
+
     # torch's own: DDP and FSDP2, with torch.optim.AdamW (foreach)
     from torch.nn.parallel import DistributedDataParallel
 
@@ -156,6 +188,11 @@ def _on_rank(cfg: GPTConfig, rows: int, rounds: int) -> dict:
     }
 
 
+def _is_split(t) -> bool:
+    """Whether ``t`` is a DTensor that some mesh dimension splits (a tensor-parallel piece)."""
+    return hasattr(t, "placements") and any(not p.is_replicate() for p in t.placements)
+
+
 def unsharded(params):
     return params  # ddp/zero1 keep whole params, and so whole gradients of the same size
 
@@ -200,6 +237,8 @@ def report(results: list[dict], setup: str) -> str:
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, m in r0["memory"].items():
+        if name == "tp blocks":
+            continue
         if "error" in m:
             lines.append(f"| {name} | not run: {m['error']} | | | | | | | |")
             continue
@@ -209,6 +248,17 @@ def report(results: list[dict], setup: str) -> str:
             f"| {peak} | {wall[name] * 1e3:.0f} | {wall[name] / wall['ddp']:.2f} "
             f"| {cpu[name] * 1e3:.0f} | {cpu[name] / cpu['ddp']:.2f} |"
         )
+    tp, ddp = r0["memory"]["tp=2"], r0["memory"]["ddp"]
+    blocks = r0["memory"]["tp blocks"]
+    lines += [
+        "",
+        f"tp=2 per rank against ddp: the split matrices (every block's qkv, proj, MLP) "
+        f"{blocks['split local'] / mib:.2f} of {blocks['split whole'] / mib:.2f} MiB "
+        f"({blocks['split local'] / blocks['split whole']:.2f}); all params "
+        f"{tp['params'] / ddp['params']:.2f}, optimizer state {tp['opt'] / ddp['opt']:.2f} "
+        "(embeddings, norms and biases of row-parallel layers stay whole on both ranks). "
+        "tp=2 runs both ranks' rows on each rank, so its step covers the same tokens as ddp's.",
+    ]
     lines += [
         "",
         "fsdp parameter memory per rank as the model deepens (same width): the shard is half the "

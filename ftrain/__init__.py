@@ -41,6 +41,7 @@ from ftrain.transforms import (
     lora,
     merge_lora,
     shard,
+    tensor_parallel,
     vmap,
     wrap,
 )
@@ -60,6 +61,7 @@ __all__ = [
     "save_checkpoint",
     "shard",
     "shard_state",
+    "tensor_parallel",
     "unshard_state",
     "accumulate",
     "autocast",

@@ -72,6 +72,11 @@ class TrainConfig:
     precision: str = _f("fp32", "forward precision (params stay fp32)", choices=PRECISIONS)
     compile: bool = _f(False, "torch.compile the whole step (slow to start on a CPU)")
     shard: str = _f("none", "data parallelism under torchrun", choices=SHARD_STRATEGIES)
+    tp: int = _f(
+        1,
+        "tensor parallel under torchrun: each block's matrices split over TP processes, the batch "
+        "over world / TP groups of them (with --shard ddp)",
+    )
     memory_budget: str | None = _f(
         None,
         "bytes per process (e.g. 4GiB; auto = free CUDA memory): ft.fit picks micro-batches, "
@@ -180,6 +185,8 @@ class TrainConfig:
             from ftrain.memory import parse_bytes
 
             parse_bytes(self.memory_budget, "--memory-budget")
+        if self.tp != 1:
+            self._check_tp()
         if self.compile and self.shard == "fsdp":
             raise ValueError(
                 "--compile cannot be combined with --shard fsdp (torch.compile cannot trace fsdp's "
@@ -202,6 +209,26 @@ class TrainConfig:
             raise ValueError(
                 f"--optimizer must be one of {sorted(OPTIMIZERS)}, got {self.optimizer!r}"
             )
+
+    def _check_tp(self) -> None:
+        if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
+            raise ValueError(
+                f"--tp must be an int >= 1 (1 = no tensor parallelism), got {self.tp!r}"
+            )
+        refused = {
+            "shard": self.shard in ("zero1", "zero2", "fsdp"),
+            "compile": self.compile,
+            "lora-rank": bool(self.lora_rank),
+            "memory-budget": self.memory_budget is not None,
+        }
+        for flag, bad in refused.items():
+            if bad:
+                value = f" {self.shard}" if flag == "shard" else ""
+                raise ValueError(
+                    f"--tp {self.tp} cannot be combined with --{flag}{value} (tensor parallelism "
+                    "composes with --shard ddp over the data-parallel groups, accumulation, "
+                    f"checkpointing and precision); use --shard ddp --tp {self.tp} without --{flag}"
+                )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

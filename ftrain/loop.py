@@ -38,6 +38,7 @@ from ftrain.io.sharded import is_sharded
 from ftrain.recipes import for_config, gpt
 from ftrain.resume import RESUME_FIXED
 from ftrain.sinks import Sink, check_sink, make_sinks
+from ftrain.transforms import TensorParallel
 
 __all__ = ["RESUME_FIXED", "evaluate", "train"]  # RESUME_FIXED lives in ftrain.resume
 
@@ -67,7 +68,10 @@ def train(cfg: TrainConfig, *, sinks: Sequence[Sink] = ()) -> dict[str, Any]:
     recipe = for_config(cfg).build(cfg, rank=rank, world=world, quiet=not main)
     run = _Run(cfg, rank, world, out, recipe)
     state = recipe.state
-    if cfg.shard != "none":
+    tp = next((t for t in recipe.step.transforms if isinstance(t, TensorParallel)), None)
+    if tp is not None:  # whole tensors -> this process's pieces (replicated over the dp groups)
+        state = tp.shard_state(state)
+    elif cfg.shard != "none":
         state = shard_state(state, cfg.shard)  # whole tensors -> this process's layout
     state, start = _restore(run, state)  # each process reads only what it keeps
     log = rundir.MetricsLog(out / "metrics.jsonl", start) if main else None
@@ -106,7 +110,7 @@ def _launch(cfg: TrainConfig) -> tuple[TrainConfig, int, int]:
 
     The settings are a new TrainConfig (``dataclasses.replace``): under torchrun without
     ``--shard``, ``shard="ddp"`` (plain data parallelism); with ``--global-batch-size``,
-    ``micro_batches = global_batch_size / (batch_size x world)``.
+    ``micro_batches = global_batch_size / (batch_size x world / tp)``.
     """
     if cfg.shard == "none" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         cfg = dataclasses.replace(cfg, shard="ddp")
@@ -116,12 +120,19 @@ def _launch(cfg: TrainConfig) -> tuple[TrainConfig, int, int]:
         except RuntimeError as e:
             raise SystemExit(f"ftrain train: --shard {cfg.shard}: {e}") from None
     rank, world = distributed.rank_and_world()
+    if world % cfg.tp:
+        raise SystemExit(
+            f"ftrain train: --tp {cfg.tp} must divide the {world} processes (the mesh is "
+            f"data-parallel groups x tp); launch a multiple of {cfg.tp} processes "
+            f"(torchrun --nproc_per_node N) or choose --tp among the divisors of {world}"
+        )
     if cfg.global_batch_size is not None:
-        per_step = cfg.batch_size * world
+        per_step = cfg.batch_size * world // cfg.tp  # the tp processes of a group share rows
         if cfg.global_batch_size % per_step:
             raise SystemExit(
                 f"ftrain train: --global-batch-size {cfg.global_batch_size} must be a multiple of "
-                f"--batch-size x world size = {cfg.batch_size} x {world} = {per_step}"
+                f"--batch-size x data-parallel processes = {cfg.batch_size} x {world // cfg.tp} "
+                f"= {per_step}"
             )
         cfg = dataclasses.replace(cfg, micro_batches=cfg.global_batch_size // per_step)
     return cfg, rank, world
@@ -144,7 +155,7 @@ def _restore(run: _Run, state: ft.TrainState) -> tuple[ft.TrainState, int]:
             print(f"ftrain train: --resume: no checkpoint in {run.out}; starting from step 0")
         return state, 0
     meta = ft.load_meta(latest)
-    state = resume.load_checked(latest, meta, cfg, state, run.world, run.main)
+    state = resume.load_checked(latest, meta, cfg, state, run.world // cfg.tp, run.main)
     run.recipe.loader.load_state_dict(meta["extra"]["loader"])  # global: the same on every rank
     start = int(state.step)
     if run.main:
@@ -193,7 +204,10 @@ class _Report:
             from tqdm.auto import tqdm
 
             self.bar = tqdm(total=cfg.max_steps, initial=start, unit="step", dynamic_ncols=True)
-        self.tokens_per_step = cfg.batch_size * cfg.micro_batches * cfg.seq_len * run.world
+        # under --tp the tp processes of a group see the same rows
+        self.tokens_per_step = (
+            cfg.batch_size * cfg.micro_batches * cfg.seq_len * run.world // cfg.tp
+        )
         self.t0 = self.t_log = time.perf_counter()
         self.step_at_log = start
         self.last: dict[str, float] = {}  # the last log step's metrics (and val_loss after it)

@@ -68,3 +68,19 @@ def test_config_float_accepts_an_int(tmp_path):
     cfg = tmp_path / "c.toml"
     cfg.write_text("lr = 1\nweight_decay = 0\n")
     assert load_toml(cfg) == {"lr": 1.0, "weight_decay": 0.0}
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--tp", "0"], "--tp must be an int >= 1"),
+        (["--tp", "2", "--shard", "fsdp"], "--tp 2 cannot be combined with --shard fsdp"),
+        (["--tp", "2", "--compile"], "--tp 2 cannot be combined with --compile"),
+        (["--tp", "2", "--lora-rank", "4"], "--tp 2 cannot be combined with --lora-rank"),
+    ],
+)
+def test_tp_flags_that_do_not_compose_are_usage_errors(flags, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["train", *flags])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err

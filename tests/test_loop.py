@@ -287,3 +287,24 @@ def test_resume_on_another_number_of_processes_continues_the_same_run(tmp_path, 
     # the 1- and 2-process runs are the same run too
     assert max(abs(a - b) for a, b in zip(_losses(tmp_path / "full1").values(),
                                           _losses(tmp_path / "full2").values())) <= 1e-5  # fmt: skip
+
+
+def test_tp_run_equals_one_process_and_resumes_on_one(tmp_path, tiny_run):
+    """`ftrain train --tp 2` on 2 processes (the GPT's matrices split, the same rows on both)
+    logs the 1-process run's losses (to 1e-5), evaluating and saving on the way; its step-3
+    checkpoint, resumed on 1 process, continues the same run."""
+    common = [*tiny_run, "--decay-steps", "6", "--save-every", "3", "--eval-every", "3"]
+
+    def cfg(out, steps, *more):
+        return _config([*common, "--out", str(tmp_path / out), "--max-steps", str(steps), *more])
+
+    ft.distributed.run_distributed(
+        _train_each, 2, [cfg("tp", 6, "--tp", "2"), cfg("part", 3, "--tp", "2")]
+    )
+    train(cfg("one", 6))
+    train(cfg("part", 6, "--resume"))
+    want = _losses(tmp_path / "one")
+    for run in ("tp", "part"):
+        got = _losses(tmp_path / run)
+        assert sorted(got) == list(range(1, 7))
+        assert max(abs(got[s] - want[s]) for s in want) <= 1e-5, run

@@ -1,6 +1,7 @@
-"""Data parallelism on ``torch.distributed``: process-group set-up, flat collectives, DTensor
-plumbing, ZeRO state layouts and FSDP gathering. The ``ft.shard`` transform
-(``ftrain.transforms.shard``) is built from these.
+"""Data and tensor parallelism on ``torch.distributed``: process-group set-up, flat collectives,
+DTensor plumbing, ZeRO state layouts, FSDP gathering, tensor-parallel plans, layouts and model
+copies. The ``ft.shard`` and ``ft.tensor_parallel`` transforms (``ftrain.transforms``) are built
+from these.
 
     torchrun --nproc_per_node 2 -m ftrain train --shard fsdp
     results = ft.distributed.run_distributed(fn, world_size=2)   # in tests and notebooks
@@ -17,6 +18,25 @@ from ftrain.distributed.launch import (
     require_group,
     run_distributed,
 )
+from ftrain.distributed.plans import (
+    Colwise,
+    Divide,
+    Rowwise,
+    gpt_plan,
+    hf_gpt2_plan,
+    hf_llama_plan,
+)
+from ftrain.distributed.sequence import (
+    colwise_linear_sp,
+    gather_sequence,
+    reduce_scatter_sequence,
+    rowwise_linear_sp,
+    sequence_dropout,
+    split_sequence,
+    sum_partial_grads,
+)
+from ftrain.distributed.tp_layout import tp_mesh
+from ftrain.distributed.vocab import vocab_parallel_cross_entropy, vocab_parallel_token_losses
 from ftrain.distributed.zero import (
     STRATEGIES,
     local_bytes,
@@ -26,18 +46,34 @@ from ftrain.distributed.zero import (
 )
 
 __all__ = [
+    "Colwise",
+    "Divide",
+    "Rowwise",
+    "gpt_plan",
+    "hf_gpt2_plan",
+    "hf_llama_plan",
+    "tp_mesh",
     "STRATEGIES",
     "DistributedError",
     "check_mesh",
+    "colwise_linear_sp",
     "default_mesh",
+    "gather_sequence",
     "init",
     "is_initialized",
     "local_bytes",
     "rank_and_world",
+    "reduce_scatter_sequence",
+    "rowwise_linear_sp",
     "require_group",
     "run_distributed",
+    "sequence_dropout",
     "shard_state",
+    "split_sequence",
+    "sum_partial_grads",
     "track_gathered",
     "unshard",
     "unshard_state",
+    "vocab_parallel_cross_entropy",
+    "vocab_parallel_token_losses",
 ]

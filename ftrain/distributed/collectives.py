@@ -184,6 +184,8 @@ def gather_leaves(tensors: Sequence[torch.Tensor], mesh) -> list[torch.Tensor]:
             flat.append(i)
         else:
             out[i] = t.full_tensor()
+    if not flat:  # nothing Shard(0) on this mesh (e.g. a tensor-parallel state's 2-D mesh)
+        return out  # type: ignore[return-value]
     rank, group = mesh.get_local_rank(), mesh.get_group()
     for idx in by_dtype([tensors[i] for i in flat]).values():
         chosen = [tensors[flat[j]] for j in idx]

@@ -30,6 +30,10 @@ __all__ = [
     "placements_of",
     "on_shards",
     "laid_out_like",
+    "like",
+    "split_placement",
+    "split_factor",
+    "shard_dim",
 ]
 
 
@@ -65,6 +69,36 @@ def _spec(mesh_id: int, mesh, placements: tuple, shape: tuple, stride: tuple, dt
     return DTensorSpec(mesh, placements, tensor_meta=meta)
 
 
+def split_placement(dim: int, chunks: int = 1):
+    """The placement of a tensor split along ``dim`` over one mesh dimension: ``Shard(dim)``, or,
+    with ``chunks=k``, k equal blocks along ``dim`` each split on its own, this process holding
+    the concatenation of its slice of every block (a fused q/k/v projection keeps whole heads).
+
+    The second is torch's private ``_StridedShard(dim, split_factor=k)``: DTensor gathers and
+    redistributes it correctly, and nothing public describes it. The public replacement would be
+    a strided ``Shard`` placement, should DTensor publish one."""
+    d = dtensor()
+    if chunks == 1:
+        return d.Shard(dim)
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return _StridedShard(dim, split_factor=chunks)
+
+
+def split_factor(placement) -> int:
+    """How many blocks a ``Shard``-like placement splits each on its own: ``k`` for one made by
+    :func:`split_placement` with ``chunks=k`` (``_StridedShard``), 1 for ``Shard``."""
+    return int(getattr(placement, "split_factor", 1))
+
+
+def shard_dim(placement) -> int | None:
+    """The tensor dimension a placement splits (``Shard`` or :func:`split_placement`'s strided
+    one), or None (``Replicate``, ``Partial``)."""
+    if placement.is_shard() or split_factor(placement) > 1:
+        return placement.dim
+    return None
+
+
 def from_local(local_t: torch.Tensor, mesh, placements: tuple, shape, stride) -> torch.Tensor:
     """``DTensor.from_local(local_t, mesh, placements, shape=shape, stride=stride)`` without its
     autograd function: for tensors that need no gradient (state, grads, updates)."""
@@ -82,6 +116,14 @@ def local(t: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor (no autograd: ``to_local``'s no-grad path)."""
     with torch.no_grad():
         return t.to_local()
+
+
+def like(local_t: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """``local_t`` as a DTensor laid out as ``ref`` (its local piece; no traffic), or ``local_t``
+    itself when ``ref`` is a plain tensor."""
+    if not is_dtensor(ref):
+        return local_t
+    return from_local(local_t, ref.device_mesh, ref.placements, ref.shape, ref.stride())
 
 
 def _to_local(x: Any) -> Any:

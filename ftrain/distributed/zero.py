@@ -34,6 +34,7 @@ from ftrain.state import TrainState
 __all__ = [
     "STRATEGIES",
     "check_strategy",
+    "check_replicated",
     "shard_state",
     "unshard_state",
     "unshard",
@@ -106,8 +107,9 @@ def shard_tree(td: TensorDictBase, mesh, *, copy: bool) -> TensorDictBase:
     )
 
 
-def _check_replicated(state: TrainState, group) -> None:
-    """Every rank must start from the same params: compare a checksum per leaf (two small all-reduces: min and max)."""
+def check_replicated(state: TrainState, group) -> None:
+    """Raise unless every rank of ``group`` holds the same plain params: a checksum per leaf is
+    compared (two small all-reduces: min and max)."""
     leaves = [t for t in tree.leaves(state.params) if not is_dtensor(t)]
     if not leaves or dist.get_world_size(group) == 1:
         return
@@ -151,7 +153,7 @@ def shard_state(state: TrainState, strategy: str = "ddp", mesh: Any = None) -> T
         state = state.replace(params=unshard(state.params), extra=unshard(state.extra))
     if strategy == "ddp" and any(is_dtensor(t) for t in tree.leaves(state.opt_state)):
         state = state.replace(opt_state=unshard(state.opt_state))
-    _check_replicated(state, mesh.get_group())
+    check_replicated(state, mesh.get_group())
     if strategy == "ddp":
         return state
     opt_state = shard_tree(state.opt_state, mesh, copy=True)

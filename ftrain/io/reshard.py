@@ -24,7 +24,7 @@ from ftrain.distributed.dtensor import from_local, is_dtensor, local
 from ftrain.io import tensorfile
 from ftrain.io.layout import FIELDS, PARAMS_FILE, STATE_FILE, CheckpointError
 from ftrain.io.meta import META_FILE, verify_file
-from ftrain.io.sharded import box_of, leaves
+from ftrain.io.sharded import boxes_of, leaves
 from ftrain.state import TrainState
 from ftrain.tree import SEP
 
@@ -169,8 +169,9 @@ def read(path: Path, meta: dict, like: TrainState | None, device=None) -> TrainS
                 if key in ("step", "rng") or where is None:
                     return t
                 return t.to(where)
-            offsets, sizes, _ = box_of(target)
-            mine = reader.part(key, offsets, sizes)
+            found, dim, _ = boxes_of(target)
+            parts = [reader.part(key, offsets, sizes) for offsets, sizes in found]
+            mine = parts[0] if dim is None else torch.cat(parts, dim=dim)
             mine = mine.to(device if device is not None else local(target).device)
             return from_local(mine, target.device_mesh, target.placements, target.shape,
                               target.stride())  # fmt: skip

@@ -18,7 +18,10 @@ A sharded checkpoint is a directory::
 
 Every piece is a box of the global tensor (its offset and size along every dimension), so a
 layout that splits any dimension over any mesh dimension (tensor parallelism's ``Shard(1)`` on a
-2-D mesh) is described without a new format; ``placements`` only records how it was split.
+2-D mesh) is described without a new format; ``placements`` only records how it was split. A
+tensor whose local piece is several boxes (tensor parallelism's fused ``qkv``: this process's
+slice of each of q, k and v) is stored as one tensor per box, keyed ``"<key>#<block>"``; a
+reader needs nothing new, since every piece is still a box.
 A tensor held whole by every process (``step``, ``rng``, ddp's params) is one piece, written by
 rank 0. ``meta.json`` records each file's sha256, and is written last: the directory is committed
 (:func:`ftrain.io.atomic.commit_dir`) by rank 0 once every rank has written its file.
@@ -41,7 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ftrain.distributed.dtensor import is_dtensor, local
+from ftrain.distributed.dtensor import is_dtensor, local, shard_dim, split_factor
 from ftrain.io import atomic, tensorfile
 from ftrain.io.layout import FIELDS, CheckpointError, tree_of
 from ftrain.io.meta import (
@@ -54,7 +57,7 @@ from ftrain.io.meta import (
 from ftrain.state import TrainState
 from ftrain.tree import SEP
 
-__all__ = ["Plan", "box_of", "host_copies", "is_sharded", "leaves", "plan", "write"]
+__all__ = ["Plan", "box_of", "boxes_of", "host_copies", "is_sharded", "leaves", "plan", "write"]
 
 SHARDED_VERSION = 2
 
@@ -81,21 +84,35 @@ def leaves(state: TrainState) -> list[tuple[str, torch.Tensor]]:
 # --- where a piece sits --------------------------------------------------------------------------
 
 
-def box_of(t: torch.Tensor) -> tuple[list[int], list[int], bool]:
-    """``(offsets, sizes, first)``: the box of the global tensor that this process holds of the
-    DTensor ``t`` (split as DTensor splits it: ``torch.chunk`` per ``Shard`` placement, in mesh
-    dimension order), and whether this process is the first holder of it (coordinate 0 on every
-    mesh dimension where it is replicated). A plain tensor is the whole box, first on rank 0."""
+def boxes_of(t: torch.Tensor) -> tuple[list[tuple[list[int], list[int]]], int | None, bool]:
+    """``(boxes, dim, first)``: the boxes ``(offsets, sizes)`` of the global tensor that this
+    process holds of the DTensor ``t``, the dimension along which its local tensor is their
+    concatenation (None for one box), and whether this process is the first holder (coordinate 0
+    on every mesh dimension where it is replicated).
+
+    ``Shard(d)`` placements split as DTensor splits (``torch.chunk``, in mesh dimension order).
+    A strided one (k fused blocks each split on its own, a tensor-parallel ``qkv``) gives k
+    boxes, one per block. A plain tensor is one whole box, first on rank 0."""
     shape = list(t.shape)
     if not is_dtensor(t):
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        return [0] * len(shape), shape, rank == 0
+        return [([0] * len(shape), shape)], None, rank == 0
     mesh = t.device_mesh
     coords = mesh.get_coordinate()
     offsets, sizes, first = [0] * len(shape), list(shape), True
+    blocks, block_dim = 1, None
     for i, p in enumerate(t.placements):
-        if p.is_shard():
-            d, n = p.dim, mesh.size(i)
+        d = shard_dim(p)
+        if d is not None:
+            k, n = split_factor(p), mesh.size(i)
+            if k > 1:
+                if blocks > 1 or sizes[d] % (k * n) or offsets[d]:
+                    raise CheckpointError(
+                        f"cannot checkpoint a DTensor placed {t.placements}: one strided "
+                        "placement of evenly divisible blocks is supported per tensor."
+                    )
+                blocks, block_dim = k, d
+                sizes[d] //= k  # within the first block; the others repeat it, shifted
             per = -(-sizes[d] // n)
             start = min(coords[i] * per, sizes[d])
             offsets[d] += start
@@ -107,18 +124,40 @@ def box_of(t: torch.Tensor) -> tuple[list[int], list[int], bool]:
                 f"cannot checkpoint a DTensor placed {t.placements}: only Shard(dim) and "
                 "Replicate() placements hold a tensor's values (reduce a Partial one first)."
             )
-    if list(local(t).shape) != sizes:
+    boxes = []
+    for c in range(blocks):
+        o = list(offsets)
+        if block_dim is not None:
+            o[block_dim] += c * (shape[block_dim] // blocks)
+        boxes.append((o, list(sizes)))
+    want = list(sizes)
+    if block_dim is not None:
+        want[block_dim] *= blocks
+    if list(local(t).shape) != want:
         raise CheckpointError(
             f"cannot checkpoint a DTensor placed {t.placements}: its local shape "
-            f"{list(local(t).shape)} is not the torch.chunk split {sizes} this format records."
+            f"{list(local(t).shape)} is not the torch.chunk split {want} this format records."
         )
-    return offsets, sizes, first
+    return boxes, block_dim, first
+
+
+def box_of(t: torch.Tensor) -> tuple[list[int], list[int], bool]:
+    """``(offsets, sizes, first)`` of a tensor that :func:`boxes_of` finds in one box."""
+    boxes, _, first = boxes_of(t)
+    if len(boxes) != 1:
+        raise CheckpointError(f"box_of: a DTensor placed {t.placements} is {len(boxes)} boxes.")
+    return (*boxes[0], first)
 
 
 def _placements(t: torch.Tensor) -> tuple[list[int], list[list]]:
     if not is_dtensor(t):
         return [], []
-    out = [["shard", p.dim] if p.is_shard() else ["replicate"] for p in t.placements]
+    out = [
+        ["replicate"] if shard_dim(p) is None
+        else ["shard", p.dim] if split_factor(p) == 1
+        else ["strided_shard", p.dim, split_factor(p)]
+        for p in t.placements
+    ]  # fmt: skip
     return list(t.device_mesh.shape), out
 
 
@@ -132,8 +171,10 @@ class Plan:
 
     tree: dict
     tensors: dict[str, dict]  # key -> {"dtype", "shape", "mesh", "placements"}
-    mine: dict[str, torch.Tensor]  # key -> this process's piece (on the state's device)
-    boxes: dict[str, list[list[int]]]  # key -> [offsets, sizes] of that piece
+    mine: dict[str, torch.Tensor]  # stored key -> this process's piece (on the state's device)
+    # stored key -> [offsets, sizes] of that piece, plus the tensor's key where they differ (a
+    # tensor held as several boxes is stored as "<key>#<block>")
+    boxes: dict[str, list]
     step: int
 
     def host_copy(self) -> Plan:
@@ -169,11 +210,19 @@ def plan(state: TrainState) -> Plan:
             "mesh": mesh,
             "placements": placements,
         }
-        offsets, sizes, first = box_of(t)
-        if first:
-            piece = local(t) if is_dtensor(t) else t
-            mine[key] = piece.detach()
-            boxes[key] = [offsets, sizes]
+        found, dim, first = boxes_of(t)
+        if not first:
+            continue
+        piece = (local(t) if is_dtensor(t) else t).detach()
+        if dim is None:
+            mine[key] = piece
+            boxes[key] = [*found[0]]
+            continue
+        # several boxes (fused blocks): one stored tensor each, keyed "<key>#<block>"
+        parts = piece.split(found[0][1][dim], dim=dim)
+        for c, (part, (offsets, sizes)) in enumerate(zip(parts, found)):
+            mine[f"{key}#{c}"] = part
+            boxes[f"{key}#{c}"] = [offsets, sizes, key]
     return Plan(tree, tensors, mine, boxes, int(state.step.max()))
 
 
@@ -245,9 +294,9 @@ def write(p: Plan, path: Path, extra: dict, group=None) -> Path:
 def _meta(p: Plan, extra: dict, files: dict, boxes: list[dict], world: int) -> dict:
     index = {key: {**info, "pieces": []} for key, info in p.tensors.items()}
     for r, mine in enumerate(boxes):
-        for key, (offsets, sizes) in mine.items():
+        for key, (offsets, sizes, *tensor) in mine.items():
             piece = {"file": _file_name(r, world), "key": key, "offsets": offsets, "shape": sizes}
-            index[key]["pieces"].append(piece)
+            index[tensor[0] if tensor else key]["pieces"].append(piece)
     for key, entry in index.items():  # the pieces of every tensor fill it exactly once
         if sum(math.prod(q["shape"]) for q in entry["pieces"]) != math.prod(entry["shape"]):
             raise CheckpointError(f"ft.save: the pieces of {key!r} do not cover it once.")

@@ -148,8 +148,9 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """(B, T, d) -> (B, T, d). ``mask`` (B, 1, T, T) bool, True where a query may attend to a
         key, replaces the causal mask (``document_mask`` for packed rows)."""
-        # split (not a reshape to (3, ...)): its backward is a single concatenation of dq, dk, dv
-        qkv = self.qkv(x).split(x.shape[-1], dim=-1)  # 3 x (B, T, d)
+        # chunk (not a reshape to (3, ...)): its backward is a single concatenation of dq, dk, dv;
+        # by thirds, not by d, so that a tensor-parallel copy (d / tp features each) splits too
+        qkv = self.qkv(x).chunk(3, dim=-1)  # 3 x (B, T, d)
         q, k, v = (rearrange(z, "b t (nh hs) -> b nh t hs", nh=self.n_head) for z in qkv)
         # q, k, v: (B, nh, T, hs). Flash attention on GPU (no (T, T) score matrix in memory); the
         # causal mask is built inside the kernel. A given mask (packed rows) takes the

@@ -28,6 +28,7 @@ import torch
 import ftrain as ft
 from ftrain import data, optim, rundir
 from ftrain.config import TrainConfig
+from ftrain.distributed.plans import plan_for
 from ftrain.models import GPT, GPTConfig, generate
 from ftrain.recipes import corpus
 from ftrain.transforms import Lora
@@ -116,8 +117,9 @@ def build_data(
     valid_ds = data.TokenDataset(path, cfg.seq_len, seed=cfg.seed, split="valid", pack=cfg.pack)
     rows = cfg.batch_size * cfg.micro_batches  # per process per optimizer step
     # one global sample order for every number of processes: this process takes its stride of it
-    loader = data.loader(train_ds, rows, seed=cfg.seed, infinite=True,
-                         num_workers=cfg.num_workers, rank=rank, world_size=world)  # fmt: skip
+    # (under --tp the tp processes of a group share one stride: rank = dp * tp + tp rank)
+    loader = data.loader(train_ds, rows, seed=cfg.seed, infinite=True, num_workers=cfg.num_workers,
+                         rank=rank // cfg.tp, world_size=world // cfg.tp)  # fmt: skip
     return loader, valid_ds
 
 
@@ -287,7 +289,11 @@ def build_step(
         step = ft.checkpoint(step, cfg.checkpoint_policy)
     if cfg.micro_batches > 1:
         step = ft.accumulate(step, cfg.micro_batches)
-    if cfg.shard != "none":
+    if cfg.tp > 1:  # the matrices over tp processes, the batch over the dp groups (ddp)
+        mesh = ft.distributed.tp_mesh(cfg.tp)
+        step = ft.tensor_parallel(model, plan_for(model), mesh)(step)
+        step = ft.shard(step, "ddp", mesh=mesh["dp"])
+    elif cfg.shard != "none":
         step = ft.shard(step, cfg.shard)
     if cfg.compile:
         step = ft.compile(step)

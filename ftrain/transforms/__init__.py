@@ -8,6 +8,7 @@ from ftrain.transforms.dp_sgd import DpSgd, dp_sgd
 from ftrain.transforms.ema import Ema, ema
 from ftrain.transforms.lora import Lora, lora, merge_lora
 from ftrain.transforms.shard import Shard, shard
+from ftrain.transforms.tensor_parallel import TensorParallel, tensor_parallel
 from ftrain.transforms.vmap import Vmap, vmap
 from ftrain.transforms.wrap import Wrap, wrap
 
@@ -22,6 +23,7 @@ __all__ = [
     "Lora",
     "Shard",
     "StaticLossScale",
+    "TensorParallel",
     "Vmap",
     "Wrap",
     "accumulate",
@@ -33,6 +35,7 @@ __all__ = [
     "lora",
     "merge_lora",
     "shard",
+    "tensor_parallel",
     "vmap",
     "wrap",
 ]

@@ -45,7 +45,7 @@ import torch.distributed as dist
 from ftrain import rng, tree
 from ftrain.distributed import fsdp
 from ftrain.distributed.collectives import all_reduce_flat, reduce_scatter_leaves
-from ftrain.distributed.dtensor import is_dtensor, local, on_shards
+from ftrain.distributed.dtensor import is_dtensor, like, local, on_shards
 from ftrain.distributed.launch import check_mesh, is_initialized, require_group
 from ftrain.distributed.zero import check_strategy, zero_optimizer
 from ftrain.state import TrainState
@@ -113,14 +113,18 @@ class Shard(Transform):
         fsdp state would otherwise train each rank on its own, silently)."""
         params = tree.leaves(state.params)
         opt = [t for t in tree.leaves(state.opt_state) if t.dim() > 0]
-        if (params and is_dtensor(params[0]) != (self.strategy == "fsdp")) or (
-            opt and is_dtensor(opt[0]) != (self.strategy != "ddp")
+        if (params and self._sharded(params[0]) != (self.strategy == "fsdp")) or (
+            opt and self._sharded(opt[0]) != (self.strategy != "ddp")
         ):
             raise ValueError(
                 f"ft.shard(step, {self.strategy!r}) got a state laid out for another strategy (or "
                 f"not sharded). Call state = ft.shard_state(state, {self.strategy!r}) once, after "
                 "creating or loading it."
             )
+
+    def _sharded(self, t) -> bool:
+        # laid out over this mesh (a tensor-parallel DTensor lives on a mesh of its own)
+        return is_dtensor(t) and t.device_mesh == self.mesh
 
     # -- forward ------------------------------------------------------------------------------
     def around_forward(self, params):
@@ -136,8 +140,10 @@ class Shard(Transform):
     def reduce(self, grads, sums):
         group = self.mesh.get_group()
         if self.strategy in ("ddp", "zero1"):  # one flat all-reduce of grads, total and count
-            *summed, total = all_reduce_flat([*grads, sums], group, in_place=False)
-            return summed, total
+            # a tensor-parallel grad (a DTensor on another mesh) is summed as its local piece
+            plain = [local(g) if is_dtensor(g) else g for g in grads]
+            *summed, total = all_reduce_flat([*plain, sums], group, in_place=False)
+            return [like(s, g) for s, g in zip(summed, grads)], total
         sums = sums.clone()
         dist.all_reduce(sums, group=group)
         if self.strategy == "zero2":  # each rank keeps the sums of its own rows

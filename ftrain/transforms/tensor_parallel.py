@@ -1,0 +1,159 @@
+"""Tensor parallelism (Megatron's column/row-parallel linears) on the ``tp`` dimension of a mesh.
+
+**Rule:** the ``tp`` processes of a group, each given the same batch and holding its pieces of
+the block matrices, take the same step as one process holding them whole. Gradients of the split
+matrices are each process's own piece; those of whole parameters (embeddings, norms) come out
+equal on every process, each the whole gradient, so nothing is summed across ``tp`` twice.
+
+How it is laid out (``ftrain.distributed.tp_layout``), how the forward runs on the pieces
+(``ftrain.distributed.tp_model``) and which collectives surround each column/row pair
+(:meth:`TensorParallel.collectives`, the one place to change them) live in ``ftrain.distributed``.
+
+Composition:
+
+* ``ft.shard(step, "ddp", mesh=mesh["dp"])`` splits the batch over the ``dp`` dimension of the
+  same mesh (a 2-D ``("dp", "tp")`` run); ``zero1``/``zero2``/``fsdp`` over ``dp`` under tensor
+  parallelism are refused when the step is built.
+* ``ft.accumulate``, ``ft.checkpoint`` (a recomputed block runs its collectives again) and
+  ``ft.autocast`` compose in any order; ``ft.compile`` is refused (collectives and DTensor).
+* The optimizers of ``ftrain.optim`` run on the pieces unchanged (DTensor makes their norms global).
+* Randomness: dropout draws the same stream on every ``tp`` process, so the whole activations
+  between pairs get the same masks; dropout inside a pair (attention probabilities of this
+  process's heads) equals one process only in distribution.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from torch import nn
+
+from ftrain import tree
+from ftrain.distributed.dtensor import is_dtensor, on_shards
+from ftrain.distributed.launch import require_group
+from ftrain.distributed.plans import Split, resolve_plan
+from ftrain.distributed.tp import PairCollectives, megatron
+from ftrain.distributed.tp_layout import check_tp_mesh, lay_out_state
+from ftrain.distributed.tp_model import tp_copy
+from ftrain.state import TrainState
+from ftrain.step import Transform
+
+__all__ = ["TensorParallel", "tensor_parallel"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TensorParallel(Transform):
+    """Tensor parallelism for ``model`` as ``plan`` says, on ``mesh``'s ``tp`` dimension (see
+    :func:`tensor_parallel`)."""
+
+    model: nn.Module
+    plan: Mapping[str, object]
+    mesh: Any
+    splits: dict[str, Split] = dataclasses.field(init=False, repr=False)
+
+    name = "tensor_parallel"
+    once = True
+    rewrite_order = -2  # innermost: fsdp's gathering and checkpointing see a tensor-parallel model
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, nn.Module):
+            raise TypeError(
+                f"ft.tensor_parallel(model, ...): expected the nn.Module the loss calls through "
+                f"ft.apply, got {type(self.model).__name__}."
+            )
+        require_group("tensor_parallel")
+        object.__setattr__(self, "mesh", check_tp_mesh(self.mesh, "tensor_parallel"))
+        object.__setattr__(self, "splits", resolve_plan(self.model, self.plan, self.tp))
+
+    @property
+    def tp(self) -> int:
+        """The number of processes that split each matrix."""
+        return self.mesh["tp"].size()
+
+    def collectives(self) -> PairCollectives:
+        """The communication entering each column-parallel layer and leaving each row-parallel
+        one: Megatron's f and g over the ``tp`` group. The one place that chooses them (sequence
+        parallelism swaps in an all-gather / reduce-scatter over the sequence)."""
+        return megatron(self.mesh.get_group("tp"))
+
+    def shard_state(self, state: TrainState) -> TrainState:
+        """``state`` (whole, the same on every process) laid out on the mesh: this process's
+        pieces of the split parameters and of the optimizer moments and ``extra`` entries shaped
+        like them; everything else whole. No traffic but a check that the params agree."""
+        return lay_out_state(state, self.splits, self.mesh)
+
+    # -- building -------------------------------------------------------------------------------
+    def check(self, inner, outer) -> None:
+        super().check(inner, outer)
+        dp = self.mesh["dp"] if "dp" in self.mesh.mesh_dim_names else None
+        for t in (*inner, *outer):
+            if t.name != "shard":
+                continue
+            if t.strategy != "ddp":
+                raise ValueError(
+                    f"ft.tensor_parallel with ft.shard(step, {t.strategy!r}): only 'ddp' over the "
+                    "'dp' dimension composes with tensor parallelism here; use "
+                    "ft.shard(step, 'ddp', mesh=mesh['dp'])."
+                )
+            ranks = sorted(t.mesh.mesh.flatten().tolist())
+            if dp is None or ranks != sorted(dp.mesh.flatten().tolist()):
+                raise ValueError(
+                    "ft.shard(step, 'ddp', mesh=...) under ft.tensor_parallel must split the batch "
+                    f"over the mesh's 'dp' dimension (ranks {ranks} given). Fix: "
+                    "ft.shard(step, 'ddp', mesh=mesh['dp']) with the mesh of ft.tensor_parallel."
+                )
+
+    def compile_refusal(self) -> str | None:
+        return (
+            "torch.compile cannot trace ft.tensor_parallel's collectives on DTensor params; run "
+            "the tensor-parallel step eagerly (leave out ft.compile)."
+        )
+
+    def optimizer(self, optimizer):
+        return on_shards(optimizer)  # the params, grads and moments are DTensors
+
+    # -- each call ------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def around_step(self, state: TrainState) -> Iterator[None]:
+        leaves = tree.leaves(state.params)
+        if leaves and not (is_dtensor(leaves[0]) and leaves[0].device_mesh == self.mesh):
+            raise ValueError(
+                "ft.tensor_parallel: the state is not laid out for tensor parallelism on this "
+                "mesh. Call state = tp.shard_state(state) once, after creating or loading it "
+                "(tp = ft.tensor_parallel(model, plan, mesh))."
+            )
+        yield
+
+    def rewrite(self, module: nn.Module) -> nn.Module:
+        return tp_copy(module, self.plan, self.tp, self.collectives())
+
+
+def tensor_parallel(model: nn.Module, plan: Mapping[str, object], mesh: Any) -> TensorParallel:
+    """Tensor parallelism for ``model``: a transform to apply to a step, which also lays out the
+    state it trains (``tp.shard_state(state)``)::
+
+        mesh = ft.distributed.tp_mesh(2)                  # ("dp", "tp"), tp = 2
+        tp = ft.tensor_parallel(model, gpt_plan(), mesh)
+        step = ft.shard(tp(step), "ddp", mesh=mesh["dp"])  # or tp(step) alone when dp = 1
+        state = tp.shard_state(state)
+
+    Args:
+        model: the module the loss calls through ``ft.apply`` (it is never modified).
+        plan: module-path patterns -> ``Colwise()`` / ``Rowwise()`` / ``Divide(...)``
+            (``ftrain.distributed.plans``: ``gpt_plan``, ``hf_gpt2_plan``, ``hf_llama_plan``).
+        mesh: a ``DeviceMesh`` over every process with a ``"tp"`` dimension
+            (``ft.distributed.tp_mesh(tp)``).
+
+    **Invariant:** equals one process holding the whole params (fp32: 1e-5 after several steps,
+    any optimizer of ``ftrain.optim``), also on a 2-D mesh under ``ft.shard(..., "ddp")`` and
+    with ``accumulate``/``checkpoint``/``autocast``.
+
+    Raises when built: no process group, a mesh without ``"tp"`` or not over every process, a
+    pattern that names no module, a split dimension (or divided head count) not divisible by the
+    tp size, ``shard`` with another strategy or mesh, ``compile``. At the first call: a state that
+    ``shard_state`` did not lay out.
+    """
+    return TensorParallel(model, plan, mesh)
