@@ -38,6 +38,13 @@ from ftrain.distributed.plans import Split, resolve_plan
 from ftrain.distributed.tp import PairCollectives, megatron
 from ftrain.distributed.tp_layout import check_tp_mesh, lay_out_state
 from ftrain.distributed.tp_model import tp_copy
+from ftrain.distributed.tp_sequence import (
+    SumPartialGrads,
+    partial_params,
+    region,
+    sequence_forwards,
+    sequence_pair,
+)
 from ftrain.state import TrainState
 from ftrain.step import Transform
 
@@ -52,7 +59,10 @@ class TensorParallel(Transform):
     model: nn.Module
     plan: Mapping[str, object]
     mesh: Any
+    sequence_parallel: bool = False
     splits: dict[str, Split] = dataclasses.field(init=False, repr=False)
+    sequence_region: tuple[str, ...] = dataclasses.field(init=False, repr=False)  # split modules
+    partial: frozenset[str] = dataclasses.field(init=False, repr=False)  # their whole params
 
     name = "tensor_parallel"
     once = True
@@ -67,6 +77,14 @@ class TensorParallel(Transform):
         require_group("tensor_parallel")
         object.__setattr__(self, "mesh", check_tp_mesh(self.mesh, "tensor_parallel"))
         object.__setattr__(self, "splits", resolve_plan(self.model, self.plan, self.tp))
+        if not isinstance(self.sequence_parallel, bool):
+            raise TypeError(
+                f"ft.tensor_parallel(sequence_parallel={self.sequence_parallel!r}): expected "
+                "True or False."
+            )
+        names = region(self.model, self.plan) if self.sequence_parallel else []
+        object.__setattr__(self, "sequence_region", tuple(names))
+        object.__setattr__(self, "partial", partial_params(self.model, names, self.splits))
 
     @property
     def tp(self) -> int:
@@ -75,9 +93,11 @@ class TensorParallel(Transform):
 
     def collectives(self) -> PairCollectives:
         """The communication entering each column-parallel layer and leaving each row-parallel
-        one: Megatron's f and g over the ``tp`` group. The one place that chooses them (sequence
-        parallelism swaps in an all-gather / reduce-scatter over the sequence)."""
-        return megatron(self.mesh.get_group("tp"))
+        one, over the ``tp`` group; the one place that chooses them. Megatron's f and g
+        (identity / all-reduce), or with ``sequence_parallel`` an all-gather over the sequence in
+        (the column-parallel linear saving only the slice) and a reduce-scatter over it out."""
+        group = self.mesh.get_group("tp")
+        return sequence_pair(group) if self.sequence_parallel else megatron(group)
 
     def shard_state(self, state: TrainState) -> TrainState:
         """``state`` (whole, the same on every process) laid out on the mesh: this process's
@@ -115,6 +135,12 @@ class TensorParallel(Transform):
     def optimizer(self, optimizer):
         return on_shards(optimizer)  # the params, grads and moments are DTensors
 
+    def engine(self, engine):
+        if not self.partial:
+            return engine
+        # sequence parallelism: norms (and row-parallel biases) saw this process's positions only
+        return SumPartialGrads(engine, self.partial, self.mesh.get_group("tp"))
+
     # -- each call ------------------------------------------------------------------------------
     @contextlib.contextmanager
     def around_step(self, state: TrainState) -> Iterator[None]:
@@ -128,10 +154,17 @@ class TensorParallel(Transform):
         yield
 
     def rewrite(self, module: nn.Module) -> nn.Module:
-        return tp_copy(module, self.plan, self.tp, self.collectives())
+        more = []
+        if self.sequence_parallel:
+            more = sequence_forwards(
+                module, list(self.sequence_region), self.mesh.get_group("tp"), self.tp
+            )
+        return tp_copy(module, self.plan, self.tp, self.collectives(), more)
 
 
-def tensor_parallel(model: nn.Module, plan: Mapping[str, object], mesh: Any) -> TensorParallel:
+def tensor_parallel(
+    model: nn.Module, plan: Mapping[str, object], mesh: Any, *, sequence_parallel: bool = False
+) -> TensorParallel:
     """Tensor parallelism for ``model``: a transform to apply to a step, which also lays out the
     state it trains (``tp.shard_state(state)``)::
 
@@ -156,4 +189,4 @@ def tensor_parallel(model: nn.Module, plan: Mapping[str, object], mesh: Any) -> 
     tp size, ``shard`` with another strategy or mesh, ``compile``. At the first call: a state that
     ``shard_state`` did not lay out.
     """
-    return TensorParallel(model, plan, mesh)
+    return TensorParallel(model, plan, mesh, sequence_parallel)
