@@ -21,7 +21,7 @@ gradient (nothing to sum across the ``tp`` group).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -118,13 +118,13 @@ def tp_copy(
     module: nn.Module,
     plan: Mapping[str, object],
     tp: int,
-    io: PairCollectives,
+    io: PairCollectives | Callable[[str], PairCollectives],
     more: Sequence[tuple[nn.Module, MakeForward]] = (),
 ) -> nn.Module:
     """A copy of ``module`` that runs tensor-parallel over ``tp`` processes as ``plan`` says,
-    with ``io`` around each column/row pair (see the module docstring), and the forwards of
-    ``more`` replaced too (sequence parallelism's split and gather). Same parameter tables as
-    ``module``; ``module`` itself is not modified."""
+    with ``io`` around each column/row pair (see the module docstring; or ``io(path)`` for the
+    linear at module ``path``), and the forwards of ``more`` replaced too (sequence parallelism's
+    split and gather). Same parameter tables as ``module``; ``module`` itself is not modified."""
     modules = dict(module.named_modules())
     divisions = resolve_divisions(module, plan, tp)
     replacements = []
@@ -132,7 +132,8 @@ def tp_copy(
         if isinstance(style, Divide):
             replacements.append((modules[name], _divided(divisions[name])))
         elif isinstance(style, (Colwise, Rowwise)):
-            make = _colwise(io) if isinstance(style, Colwise) else _rowwise(io)
+            pair = io if isinstance(io, PairCollectives) else io(name)
+            make = _colwise(pair) if isinstance(style, Colwise) else _rowwise(pair)
             replacements.append((modules[name], make))
     replacements.extend(more)
     replacements.append((module, _localizing(param_slots(module.modules()))))

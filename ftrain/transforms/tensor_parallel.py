@@ -91,13 +91,19 @@ class TensorParallel(Transform):
         """The number of processes that split each matrix."""
         return self.mesh["tp"].size()
 
-    def collectives(self) -> PairCollectives:
-        """The communication entering each column-parallel layer and leaving each row-parallel
-        one, over the ``tp`` group; the one place that chooses them. Megatron's f and g
-        (identity / all-reduce), or with ``sequence_parallel`` an all-gather over the sequence in
-        (the column-parallel linear saving only the slice) and a reduce-scatter over it out."""
+    def collectives(self, path: str = "") -> PairCollectives:
+        """The communication entering the column-parallel layer and leaving the row-parallel one
+        at module ``path``, over the ``tp`` group; the one place that chooses them. Megatron's f
+        and g (identity / all-reduce); with ``sequence_parallel``, inside the sequence region
+        (the ``SequenceParallel`` modules; every path when ``path`` is empty), an all-gather over
+        the sequence in (the column-parallel linear saving only the slice) and a reduce-scatter
+        over it out. A column-parallel ``lm_head`` after the region sees the gathered sequence
+        and keeps Megatron's f."""
         group = self.mesh.get_group("tp")
-        return sequence_pair(group) if self.sequence_parallel else megatron(group)
+        inside = not path or any(
+            path == r or path.startswith(r + ".") for r in self.sequence_region
+        )
+        return sequence_pair(group) if self.sequence_parallel and inside else megatron(group)
 
     def shard_state(self, state: TrainState) -> TrainState:
         """``state`` (whole, the same on every process) laid out on the mesh: this process's
@@ -159,7 +165,7 @@ class TensorParallel(Transform):
             more = sequence_forwards(
                 module, list(self.sequence_region), self.mesh.get_group("tp"), self.tp
             )
-        return tp_copy(module, self.plan, self.tp, self.collectives(), more)
+        return tp_copy(module, self.plan, self.tp, self.collectives, more)
 
 
 def tensor_parallel(
