@@ -186,6 +186,8 @@ def _two_ranks(path):
         "sp": _train_tp(False, sp=True),
         "sp no sums": _train_tp(False, sp=True, cls=_NoPartialSums),
         "sp gpt2": _train_tp(False, model=_hf("gpt2"), plan=hf_gpt2_plan(), rows=4, sp=True),
+        "vocab": _train_vocab(sequence_parallel=False),
+        "sp vocab": _train_vocab(sequence_parallel=True),
         "sp errors": _sp_errors(),
         "sp bytes": _sp_bytes(),
     }
@@ -307,3 +309,41 @@ def test_sequence_parallel_bad_input_is_a_clear_error(two):
     assert "'blocks.0.attn.resid_drop' is a dropout with p=0.1" in errors["dropout"]
     assert "sequence_parallel='yes'" in errors["flag"]
     assert "(2, 15, 32)" in errors["length"] and "divide by tp=2" in errors["length"]
+
+
+def _vocab_run(tp_fn=None):
+    """3 AdamW steps of an untied GPT; with ``tp_fn(model) -> TensorParallel`` its lm_head is
+    split by columns and the loss is vocab_parallel_cross_entropy on the logits' slices."""
+    from ftrain.distributed import vocab_parallel_cross_entropy
+
+    model, opt = tiny_gpt(n_layer=2, tie_weights=False), ft.optim.adamw(1e-3)
+    tp = tp_fn(model) if tp_fn else None
+
+    def loss_fn(params, batch):
+        logits = ft.apply(model, params, batch["input"])  # (B, T, V / tp) under tp
+        if tp is None:
+            return ft.losses.cross_entropy(logits, batch["target"])
+        assert logits.shape[-1] == 64 // tp.tp  # never gathered
+        return vocab_parallel_cross_entropy(logits, batch["target"], tp.group)
+
+    step = ft.train_step(loss_fn, opt)
+    state = ft.TrainState.create(ft.params_of(model), opt)
+    if tp is not None:
+        step, state = tp(step), tp.shard_state(state)
+    for i in range(STEPS):
+        state, _ = step(state, lm_batch(ROWS, seed=i))
+    return ft.unshard_state(state) if tp is not None else state
+
+
+def _train_vocab(sequence_parallel):
+    mesh = ft.distributed.tp_mesh(2)
+    plan = gpt_plan(vocab_parallel=True)
+    return _vocab_run(
+        lambda m: ft.tensor_parallel(m, plan, mesh, sequence_parallel=sequence_parallel)
+    )
+
+
+def test_vocab_parallel_loss_with_and_without_sequence_parallel_equals_one_process(two):
+    want = _vocab_run()
+    _close(two[0]["vocab"].params, want.params, 1e-5)
+    _close(two[0]["sp vocab"].params, want.params, 1e-5)

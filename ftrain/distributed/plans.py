@@ -226,12 +226,18 @@ def resolve_divisions(model: nn.Module, plan: Mapping[str, object], tp: int) -> 
     return out
 
 
-def gpt_plan() -> dict[str, object]:
+def gpt_plan(*, vocab_parallel: bool = False) -> dict[str, object]:
     """The plan for ``ftrain.models.GPT``: attention ``qkv`` by columns (three fused blocks, so
     each process holds whole heads; ``n_head`` divided), its ``proj`` by rows; MLP ``fc`` by columns, ``proj`` by
     rows. Needs ``n_head`` and ``4 * d_model`` divisible by the tp size. The blocks run on
-    sequence slices under ``sequence_parallel=True`` (``SequenceParallel``)."""
-    return {
+    sequence slices under ``sequence_parallel=True`` (``SequenceParallel``).
+
+    ``vocab_parallel=True`` also splits ``lm_head`` by columns (a GPT with
+    ``tie_weights=False`` and a vocabulary divisible by the tp size): the model then returns
+    this process's vocabulary slice of the logits ``(B, T, V / tp)``, never gathered; train it
+    with ``ftrain.distributed.vocab_parallel_cross_entropy(logits, targets, tp.group)``."""
+    head = {"lm_head": Colwise()} if vocab_parallel else {}
+    return head | {
         "blocks.*": SequenceParallel(),
         "blocks.*.attn": Divide("n_head"),
         "blocks.*.attn.qkv": Colwise(chunks=3),

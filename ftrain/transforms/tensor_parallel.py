@@ -20,6 +20,12 @@ Composition:
 * Randomness: dropout draws the same stream on every ``tp`` process, so the whole activations
   between pairs get the same masks; dropout inside a pair (attention probabilities of this
   process's heads) equals one process only in distribution.
+
+``sequence_parallel=True`` splits the activations between the pairs along the sequence
+(``ftrain.distributed.tp_sequence``): the plan's ``SequenceParallel`` modules run on ``T / tp``
+positions, the pairs all-gather / reduce-scatter the sequence, and the gradients of the whole
+parameters inside them (norms, row-parallel biases), partial sums, are added over ``tp`` by the
+gradient engine. The rule above holds unchanged.
 """
 
 from __future__ import annotations
@@ -53,8 +59,8 @@ __all__ = ["TensorParallel", "tensor_parallel"]
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class TensorParallel(Transform):
-    """Tensor parallelism for ``model`` as ``plan`` says, on ``mesh``'s ``tp`` dimension (see
-    :func:`tensor_parallel`)."""
+    """Tensor parallelism for ``model`` as ``plan`` says, on ``mesh``'s ``tp`` dimension, with
+    ``sequence_parallel`` between the pairs (see :func:`tensor_parallel`)."""
 
     model: nn.Module
     plan: Mapping[str, object]
@@ -90,6 +96,11 @@ class TensorParallel(Transform):
     def tp(self) -> int:
         """The number of processes that split each matrix."""
         return self.mesh["tp"].size()
+
+    @property
+    def group(self):
+        """The ``tp`` process group (what ``vocab_parallel_cross_entropy`` reduces over)."""
+        return self.mesh.get_group("tp")
 
     def collectives(self, path: str = "") -> PairCollectives:
         """The communication entering the column-parallel layer and leaving the row-parallel one
@@ -181,18 +192,32 @@ def tensor_parallel(
 
     Args:
         model: the module the loss calls through ``ft.apply`` (it is never modified).
-        plan: module-path patterns -> ``Colwise()`` / ``Rowwise()`` / ``Divide(...)``
+        plan: module-path patterns -> ``Colwise()`` / ``Rowwise()`` / ``Divide(...)`` /
+            ``SequenceParallel()``
             (``ftrain.distributed.plans``: ``gpt_plan``, ``hf_gpt2_plan``, ``hf_llama_plan``).
         mesh: a ``DeviceMesh`` over every process with a ``"tp"`` dimension
             (``ft.distributed.tp_mesh(tp)``).
+        sequence_parallel: split the activations between the pairs along the sequence (dim 1)
+            inside the modules the plan marks ``SequenceParallel()`` (the blocks): each process
+            keeps ``1 / tp`` of the norms' activations; the pairs all-gather and reduce-scatter
+            the sequence instead of all-reducing; the partial gradients of the norms and
+            row-parallel biases there are summed over ``tp`` after backward. False (default):
+            Megatron's all-reduces, every activation between the pairs whole, as before.
+
+    With ``plan = gpt_plan(vocab_parallel=True)`` (an untied GPT) the model returns this
+    process's vocabulary slice of the logits; train it with
+    ``ft.distributed.vocab_parallel_cross_entropy(logits, targets, tp.group)``.
 
     **Invariant:** equals one process holding the whole params (fp32: 1e-5 after several steps,
     any optimizer of ``ftrain.optim``), also on a 2-D mesh under ``ft.shard(..., "ddp")`` and
-    with ``accumulate``/``checkpoint``/``autocast``.
+    with ``accumulate``/``checkpoint``/``autocast``; with ``sequence_parallel`` too (the norms'
+    params included), and with the vocabulary-parallel loss.
 
     Raises when built: no process group, a mesh without ``"tp"`` or not over every process, a
     pattern that names no module, a split dimension (or divided head count) not divisible by the
-    tp size, ``shard`` with another strategy or mesh, ``compile``. At the first call: a state that
-    ``shard_state`` did not lay out.
+    tp size, ``shard`` with another strategy or mesh, ``compile``; with ``sequence_parallel``: a
+    plan without ``SequenceParallel()`` (``hf_llama_plan``), an ``nn.Dropout`` with ``p > 0`` in
+    the blocks. At the first call: a state that ``shard_state`` did not lay out; with
+    ``sequence_parallel``, a sequence length not divisible by the tp size.
     """
     return TensorParallel(model, plan, mesh, sequence_parallel)
