@@ -2,8 +2,8 @@
 (TP), and tensor + sequence parallel (TP + SP); then the same for a whole ``ft.tensor_parallel``
 training step of a GPT, with and without ``sequence_parallel=True``.
 
-    python benchmarks/sequence_parallel.py                   # B 4, T 512, C 512, 8 heads
-    python benchmarks/sequence_parallel.py --tp 2 --seq 256
+    PYTHONPATH=. python benchmarks/sequence_parallel.py      # B 4, T 512, C 512, 8 heads
+    PYTHONPATH=. python benchmarks/sequence_parallel.py --tp 2 --seq 256 --skip-block
 
 The block is GPT's: LayerNorm -> qkv (columns) -> causal attention -> proj (rows) -> dropout ->
 residual, LayerNorm -> fc (columns) -> GELU -> proj (rows) -> dropout -> residual, fp32. Under TP
