@@ -75,6 +75,7 @@ def _four_ranks(path):
     out = {"plain": _train_tp(False, path), "fp32": _train_tp("fp32"), "bf16": _train_tp("bf16")}
     out["sp"] = _train_tp(False, sp=True)
     out["sp fp32"] = _train_tp("fp32", sp=True)  # accumulate + checkpoint
+    out["sp bf16"] = _train_tp("bf16", sp=True)  # and autocast
     try:  # a mesh over 2 of the 4 processes
         ft.tensor_parallel(tiny_gpt(), gpt_plan(), ft.distributed.tp_mesh(2)["tp"])
         out["small mesh"] = None
@@ -287,11 +288,12 @@ def test_sequence_parallel_tp2_equals_one_process_norm_grads_summed(two):
     _close(two[0]["sp gpt2"][0].params, _one_process(model=_hf("gpt2"), rows=4).params, 1e-5)
 
 
-def test_sequence_parallel_dp2_x_tp2_with_accumulate_and_checkpoint(four):
+def test_sequence_parallel_dp2_x_tp2_with_accumulate_checkpoint_and_bf16(four):
     _, ranks = four
     _close(ranks[0]["sp"][0].params, _one_process().params, 1e-5)
     _close(ranks[3]["sp"][0].params, ranks[0]["sp"][0].params, 0)
     _close(ranks[0]["sp fp32"][0].params, _one_process("fp32").params, 1e-5)
+    _close(ranks[0]["sp bf16"][0].params, _one_process("bf16").params, 1e-3)  # as plain tp's
 
 
 def test_sequence_parallel_keeps_fewer_activation_bytes(two):
