@@ -12,7 +12,13 @@ Under ``ft.tensor_parallel(model, plan, mesh, sequence_parallel=True)`` the modu
 * leaving the last module, the hidden states are gathered whole (``sum_grad=False``: everything
   after runs whole on every process, so each keeps its slice of an equal gradient).
 
-The norms and residual adds between the pairs then hold ``1 / tp`` of the positions. Their
+The norms and residual adds between the pairs then hold ``1 / tp`` of the positions. Each
+``nn.Dropout`` of the region draws its mask from a key (one draw from the step's random stream,
+which the ``tp`` processes share) and each entry's global index along dim 1
+(:func:`~ftrain.distributed.sequence.sequence_dropout` with this slice's offset): between the pairs
+dim 1 is the sequence, so the processes' slices together carry the masks ``sequence_dropout``
+gives the whole sequence on one process, none repeated. (A dropout inside a pair on a tensor
+split by heads, ``(B, heads / tp, T, T)``, is indexed by global head the same way.) Their
 parameters (and the row-parallel biases, added after the reduce-scatter) are whole but see only
 this process's positions: :func:`partial_params` names them and :class:`SumPartialGrads` sums
 their gradients over the ``tp`` group after backward, one flat all-reduce per step.
@@ -24,6 +30,7 @@ import fnmatch
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -36,6 +43,7 @@ from ftrain.distributed.sequence import (
     colwise_linear_sp,
     gather_sequence,
     reduce_scatter_sequence,
+    sequence_dropout,
     split_sequence,
 )
 from ftrain.distributed.tp import PairCollectives
@@ -59,10 +67,7 @@ def region(model: nn.Module, plan: Mapping[str, object]) -> list[str]:
     """The paths of the modules ``plan`` marks ``SequenceParallel()``, outermost matches only
     (``"blocks.*"`` names ``blocks.0``, not ``blocks.0.attn``), in ``named_modules`` order.
 
-    Raises ``ValueError`` when there is none (naming the fix), or a module of the region holds an
-    ``nn.Dropout`` with ``p > 0``: its positions differ per process, so one shared mask stream
-    would repeat masks across the slices (``sequence_dropout`` draws per global position; it is
-    not wired in here yet)."""
+    Raises ``ValueError`` when there is none, naming the fix."""
     patterns = [p for p, s in plan.items() if isinstance(s, SequenceParallel)]
     names = [
         n
@@ -78,18 +83,6 @@ def region(model: nn.Module, plan: Mapping[str, object]) -> list[str]:
             "have it; hf_llama_plan() cannot: Llama's attention reshapes by its input's length), "
             "or sequence_parallel=False."
         )
-    modules = dict(model.named_modules())
-    for name in outer:
-        for sub, m in modules[name].named_modules():
-            if isinstance(m, nn.Dropout) and m.p > 0:
-                where = f"{name}.{sub}" if sub else name
-                raise ValueError(
-                    f"ft.tensor_parallel(..., sequence_parallel=True): {where!r} is a dropout "
-                    f"with p={m.p} in the sequence-parallel region; masks drawn from one shared "
-                    "stream would repeat on every process's slice, and per-position masks "
-                    "(ftrain.distributed.sequence_dropout) are not wired in yet. Fix: dropout=0 "
-                    "in the blocks, or sequence_parallel=False."
-                )
     return outer
 
 
@@ -136,15 +129,41 @@ def _ends(name: str, group, tp: int, split: bool, gather: bool) -> MakeForward:
     return make
 
 
+def _dropout(group) -> MakeForward:
+    """An ``nn.Dropout`` on this process's slice along dim 1: masks per global index."""
+
+    def make(current: nn.Module):
+        def forward(x):
+            if not current.training or current.p == 0 or x.dim() < 2:
+                return current(x)
+            # one draw from the step's stream: the same key on every tp process (they share the
+            # stream) and again when activation checkpointing recomputes (it restores the stream)
+            key = torch.randint(0, 2**62, (), device=x.device)
+            offset = dist.get_rank(group) * x.shape[1]  # this slice's first global index
+            return sequence_dropout(x, current.p, key, dim=1, offset=offset)
+
+        return forward
+
+    return make
+
+
 def sequence_forwards(
     module: nn.Module, names: list[str], group, tp: int
 ) -> list[tuple[nn.Module, MakeForward]]:
     """The forwards to replace in ``module``'s tensor-parallel copy: split entering the first
-    module of the region ``names``, gather leaving the last."""
+    module of the region ``names``, gather leaving the last, and every ``nn.Dropout`` inside
+    drawing its mask per global position (:func:`_dropout`)."""
     modules = dict(module.named_modules())
+    drops = [
+        (m, _dropout(group))
+        for name in names
+        for m in modules[name].modules()
+        if isinstance(m, nn.Dropout)
+    ]
     if len(names) == 1:
-        return [(modules[names[0]], _ends(names[0], group, tp, True, True))]
+        return [*drops, (modules[names[0]], _ends(names[0], group, tp, True, True))]
     return [
+        *drops,
         (modules[names[0]], _ends(names[0], group, tp, True, False)),
         (modules[names[-1]], _ends(names[-1], group, tp, False, True)),
     ]

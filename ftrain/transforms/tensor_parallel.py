@@ -18,14 +18,16 @@ Composition:
   ``ft.autocast`` compose in any order; ``ft.compile`` is refused (collectives and DTensor).
 * The optimizers of ``ftrain.optim`` run on the pieces unchanged (DTensor makes their norms global).
 * Randomness: dropout draws the same stream on every ``tp`` process, so the whole activations
-  between pairs get the same masks; dropout inside a pair (attention probabilities of this
-  process's heads) equals one process only in distribution.
+  between pairs get the same masks (under ``sequence_parallel``, masks per global position);
+  dropout inside a pair (attention probabilities of this process's heads) equals one process
+  only in distribution.
 
 ``sequence_parallel=True`` splits the activations between the pairs along the sequence
 (``ftrain.distributed.tp_sequence``): the plan's ``SequenceParallel`` modules run on ``T / tp``
 positions, the pairs all-gather / reduce-scatter the sequence, and the gradients of the whole
 parameters inside them (norms, row-parallel biases), partial sums, are added over ``tp`` by the
-gradient engine. The rule above holds unchanged.
+gradient engine; their ``nn.Dropout`` masks are drawn per global position. The rule above holds
+unchanged.
 """
 
 from __future__ import annotations
@@ -201,7 +203,8 @@ def tensor_parallel(
             inside the modules the plan marks ``SequenceParallel()`` (the blocks): each process
             keeps ``1 / tp`` of the norms' activations; the pairs all-gather and reduce-scatter
             the sequence instead of all-reducing; the partial gradients of the norms and
-            row-parallel biases there are summed over ``tp`` after backward. False (default):
+            row-parallel biases there are summed over ``tp`` after backward; each ``nn.Dropout``
+            there masks per global position (``sequence_dropout``). False (default):
             Megatron's all-reduces, every activation between the pairs whole, as before.
 
     With ``plan = gpt_plan(vocab_parallel=True)`` (an untied GPT) the model returns this
@@ -216,8 +219,7 @@ def tensor_parallel(
     Raises when built: no process group, a mesh without ``"tp"`` or not over every process, a
     pattern that names no module, a split dimension (or divided head count) not divisible by the
     tp size, ``shard`` with another strategy or mesh, ``compile``; with ``sequence_parallel``: a
-    plan without ``SequenceParallel()`` (``hf_llama_plan``), an ``nn.Dropout`` with ``p > 0`` in
-    the blocks. At the first call: a state that ``shard_state`` did not lay out; with
+    plan without ``SequenceParallel()`` (``hf_llama_plan``). At the first call: a state that ``shard_state`` did not lay out; with
     ``sequence_parallel``, a sequence length not divisible by the tp size.
     """
     return TensorParallel(model, plan, mesh, sequence_parallel)
