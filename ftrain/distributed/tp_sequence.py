@@ -12,16 +12,17 @@ Under ``ft.tensor_parallel(model, plan, mesh, sequence_parallel=True)`` the modu
 * leaving the last module, the hidden states are gathered whole (``sum_grad=False``: everything
   after runs whole on every process, so each keeps its slice of an equal gradient).
 
-The norms and residual adds between the pairs then hold ``1 / tp`` of the positions. Each
-``nn.Dropout`` of the region draws its mask from a key (one draw from the step's random stream,
-which the ``tp`` processes share) and each entry's global index along dim 1
-(:func:`~ftrain.distributed.sequence.sequence_dropout` with this slice's offset): between the pairs
-dim 1 is the sequence, so the processes' slices together carry the masks ``sequence_dropout``
-gives the whole sequence on one process, none repeated. (A dropout inside a pair on a tensor
-split by heads, ``(B, heads / tp, T, T)``, is indexed by global head the same way.) Their
+The norms and residual adds between the pairs then hold ``1 / tp`` of the positions. Their
 parameters (and the row-parallel biases, added after the reduce-scatter) are whole but see only
 this process's positions: :func:`partial_params` names them and :class:`SumPartialGrads` sums
 their gradients over the ``tp`` group after backward, one flat all-reduce per step.
+
+Each ``nn.Dropout`` of the region draws its mask from a key (one draw from the step's random
+stream, which the ``tp`` processes share) and each entry's global index along dim 1
+(:func:`~ftrain.distributed.sequence.sequence_dropout` with this slice's offset): between the pairs
+dim 1 is the sequence, so the processes' slices together carry the masks ``sequence_dropout``
+gives the whole sequence on one process, none repeated. (A dropout inside a pair on a tensor
+split by heads, ``(B, heads / tp, T, T)``, is indexed by global head the same way.)
 """
 
 from __future__ import annotations
