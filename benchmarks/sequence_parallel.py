@@ -1,8 +1,9 @@
 """Activation bytes a transformer block keeps for backward, per rank: one process, tensor parallel
-(TP), and tensor + sequence parallel (TP + SP).
+(TP), and tensor + sequence parallel (TP + SP); then the same for a whole ``ft.tensor_parallel``
+training step of a GPT, with and without ``sequence_parallel=True``.
 
-    python benchmarks/sequence_parallel.py                   # B 4, T 512, C 512, 8 heads
-    python benchmarks/sequence_parallel.py --tp 2 --seq 256
+    PYTHONPATH=. python benchmarks/sequence_parallel.py      # B 4, T 512, C 512, 8 heads
+    PYTHONPATH=. python benchmarks/sequence_parallel.py --tp 2 --seq 256 --skip-block
 
 The block is GPT's: LayerNorm -> qkv (columns) -> causal attention -> proj (rows) -> dropout ->
 residual, LayerNorm -> fc (columns) -> GELU -> proj (rows) -> dropout -> residual, fp32. Under TP
@@ -10,7 +11,9 @@ residual, LayerNorm -> fc (columns) -> GELU -> proj (rows) -> dropout -> residua
 features, but the norms, dropout and residuals between the pairs run on whole activations on
 every rank; under SP (``ftrain.distributed.sequence``) those are split along the sequence too.
 Bytes are exact: ``ftrain.testing.saved_bytes`` of the block's forward (what autograd keeps, plus
-the output). Prints a Markdown table for RESULTS.md.
+the output). The step table uses ``ftrain.testing.saved_activation_bytes`` of the whole step's
+forward (embeddings, ``--layers`` blocks, the final norm, the whole logits and the loss; dropout 0,
+which ``sequence_parallel`` requires). Prints Markdown tables for RESULTS.md.
 """
 
 from __future__ import annotations
@@ -81,6 +84,61 @@ def rank_fn(batch: int, seq: int, width: int, heads: int, sequence: bool) -> int
     return saved_bytes(block, p, x.requires_grad_(), heads, lin_in, lin_out, drop)
 
 
+def _gpt(batch: int, seq: int, width: int, heads: int, layers: int, vocab: int):
+    import ftrain as ft
+    from ftrain.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(
+        GPTConfig(vocab_size=vocab, seq_len=seq, d_model=width, n_layer=layers, n_head=heads)
+    )
+    opt = ft.optim.sgd(0.1)
+
+    def loss_fn(params, batch):
+        logits = ft.apply(model, params, batch["input"])  # (B, T, V)
+        return ft.losses.cross_entropy(logits, batch["target"])
+
+    tokens = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
+    batch = {"input": tokens, "target": tokens.roll(-1, 1)}
+    return model, ft.train_step(loss_fn, opt), ft.TrainState.create(ft.params_of(model), opt), batch
+
+
+def step_rank_fn(sizes: tuple, tp_size: int, sequence: bool) -> int:
+    """Bytes the whole tensor-parallel step keeps for backward on this rank."""
+    import ftrain as ft
+    from ftrain.distributed.plans import gpt_plan
+    from ftrain.testing import saved_activation_bytes
+
+    model, step, state, batch = _gpt(*sizes)
+    tp = ft.tensor_parallel(
+        model, gpt_plan(), ft.distributed.tp_mesh(tp_size), sequence_parallel=sequence
+    )
+    return saved_activation_bytes(tp(step), tp.shard_state(state), batch)
+
+
+def step_table(a) -> str:
+    from ftrain.testing import saved_activation_bytes
+
+    sizes = (a.batch, a.seq, a.width, a.heads, a.layers, a.vocab)
+    _, step, state, batch = _gpt(*sizes)
+    whole = saved_activation_bytes(step, state, batch)
+    rows = [f"| one process | 1 | {whole / MB:,.1f} | 1.00 | |"]
+    for size in a.tp:
+        tp_bytes = None
+        for sequence, name in ((False, "ft.tensor_parallel"), (True, "+ sequence_parallel")):
+            worst = max(run_distributed(step_rank_fn, size, sizes, size, sequence))
+            vs = f"{worst / tp_bytes:.2f}" if tp_bytes else ""
+            tp_bytes = tp_bytes or worst
+            rows.append(f"| {name} | {size} | {worst / MB:,.1f} | {worst / whole:.2f} | {vs} |")
+    return (
+        f"Whole training step (`ft.testing.saved_activation_bytes`): GPT, B={a.batch}, "
+        f"T={a.seq}, C={a.width}, {a.heads} heads, {a.layers} blocks, vocabulary {a.vocab}, "
+        "fp32, dropout 0; bytes kept for backward per rank.\n\n"
+        "| step | tp | saved MB / rank | / one process | / TP |\n"
+        "| --- | ---: | ---: | ---: | ---: |\n" + "\n".join(rows)
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=4)
@@ -88,7 +146,13 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--tp", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--layers", type=int, default=4, help="blocks of the whole-step GPT")
+    parser.add_argument("--vocab", type=int, default=256, help="vocabulary of the whole-step GPT")
+    parser.add_argument("--skip-block", action="store_true", help="only the whole-step table")
     a = parser.parse_args()
+    if a.skip_block:
+        print(step_table(a))
+        return
     from ftrain.distributed.sequence import sequence_dropout
 
     params, x = make(a.batch, a.seq, a.width)
@@ -115,6 +179,8 @@ def main() -> None:
         "| layout | tp | saved MB / rank | / one process |\n| --- | ---: | ---: | ---: |\n"
         + "\n".join(rows)
     )
+    print()
+    print(step_table(a))
 
 
 if __name__ == "__main__":

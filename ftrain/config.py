@@ -77,6 +77,11 @@ class TrainConfig:
         "tensor parallel under torchrun: each block's matrices split over TP processes, the batch "
         "over world / TP groups of them (with --shard ddp)",
     )
+    sequence_parallel: bool = _f(
+        False,
+        "with --tp: the blocks' norms, residuals and dropout on 1 / TP of the sequence each "
+        "(--seq-len divisible by TP)",
+    )
     memory_budget: str | None = _f(
         None,
         "bytes per process (e.g. 4GiB; auto = free CUDA memory): ft.fit picks micro-batches, "
@@ -187,6 +192,11 @@ class TrainConfig:
             parse_bytes(self.memory_budget, "--memory-budget")
         if self.tp != 1:
             self._check_tp()
+        if self.sequence_parallel and (self.tp == 1 or self.seq_len % self.tp):
+            raise ValueError(
+                f"--sequence-parallel splits the sequence over the --tp processes: it needs "
+                f"--tp > 1 dividing --seq-len (got --tp {self.tp}, --seq-len {self.seq_len})"
+            )
         if self.compile and self.shard == "fsdp":
             raise ValueError(
                 "--compile cannot be combined with --shard fsdp (torch.compile cannot trace fsdp's "

@@ -77,6 +77,8 @@ def test_config_float_accepts_an_int(tmp_path):
         (["--tp", "2", "--shard", "fsdp"], "--tp 2 cannot be combined with --shard fsdp"),
         (["--tp", "2", "--compile"], "--tp 2 cannot be combined with --compile"),
         (["--tp", "2", "--lora-rank", "4"], "--tp 2 cannot be combined with --lora-rank"),
+        (["--sequence-parallel"], "--sequence-parallel splits the sequence over the --tp"),
+        (["--tp", "2", "--seq-len", "15", "--sequence-parallel"], "--tp 2, --seq-len 15"),
     ],
 )
 def test_tp_flags_that_do_not_compose_are_usage_errors(flags, message, capsys):

@@ -292,14 +292,16 @@ def test_resume_on_another_number_of_processes_continues_the_same_run(tmp_path, 
 def test_tp_run_equals_one_process_and_resumes_on_one(tmp_path, tiny_run):
     """`ftrain train --tp 2` on 2 processes (the GPT's matrices split, the same rows on both)
     logs the 1-process run's losses (to 1e-5), evaluating and saving on the way; its step-3
-    checkpoint, resumed on 1 process, continues the same run."""
+    checkpoint (a run with --sequence-parallel), resumed on 1 process, continues the same run."""
     common = [*tiny_run, "--decay-steps", "6", "--save-every", "3", "--eval-every", "3"]
 
     def cfg(out, steps, *more):
         return _config([*common, "--out", str(tmp_path / out), "--max-steps", str(steps), *more])
 
     ft.distributed.run_distributed(
-        _train_each, 2, [cfg("tp", 6, "--tp", "2"), cfg("part", 3, "--tp", "2")]
+        _train_each,
+        2,
+        [cfg("tp", 6, "--tp", "2"), cfg("part", 3, "--tp", "2", "--sequence-parallel")],
     )
     train(cfg("one", 6))
     train(cfg("part", 6, "--resume"))

@@ -1,8 +1,9 @@
 """ft.tensor_parallel: tp ranks (and dp x tp ranks under ft.shard('ddp')) equal one process.
 
-Two spawns: 4 ranks (2 dp x 2 tp: plain, composed, a sharded save) and 2 ranks (tp = 2: GPT,
-Hugging Face GPT-2 and Llama, the build-time errors, and the 2 x 2 save loaded onto tp = 2 and
-onto fsdp). Each rank returns whole (unsharded) states, compared here against one process.
+Two spawns: 4 ranks (2 dp x 2 tp: plain, composed, a sharded save, sequence parallel) and 2 ranks
+(tp = 2: GPT, Hugging Face GPT-2 and Llama, sequence parallel, the build-time errors, and the
+2 x 2 save loaded onto tp = 2 and onto fsdp). Each rank returns whole (unsharded) states, compared
+here against one process.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 import ftrain as ft
 from ftrain.distributed.plans import Colwise, gpt_plan, hf_gpt2_plan, hf_llama_plan
 from ftrain.testing import run_distributed
+from ftrain.transforms.tensor_parallel import TensorParallel
 from tests._tiny import lm_batch, lm_loss, tiny_gpt
 
 STEPS, ROWS = 3, 8
@@ -44,11 +46,18 @@ def _one_process(compose=False, model=None, rows=ROWS):
     return state
 
 
-def _train_tp(compose, path=None, model=None, plan=None, rows=ROWS):
+class _NoPartialSums(TensorParallel):
+    """Sequence parallelism without summing the norms' partial gradients over tp: wrong."""
+
+    def engine(self, engine):
+        return engine
+
+
+def _train_tp(compose, path=None, model=None, plan=None, rows=ROWS, sp=False, cls=TensorParallel):
     vocab = {} if model is None else {"vocab": 50}  # the Hugging Face models' vocabulary
     model, step, state = _setup(_opt(compose), compose, model)
     mesh = ft.distributed.tp_mesh(2)
-    tp = ft.tensor_parallel(model, plan or gpt_plan(), mesh)
+    tp = cls(model, plan or gpt_plan(), mesh, sequence_parallel=sp)
     dp = mesh["dp"]
     step = tp(step) if dp.size() == 1 else ft.shard(tp(step), "ddp", mesh=dp)
     state = tp.shard_state(state)
@@ -64,6 +73,9 @@ def _train_tp(compose, path=None, model=None, plan=None, rows=ROWS):
 
 def _four_ranks(path):
     out = {"plain": _train_tp(False, path), "fp32": _train_tp("fp32"), "bf16": _train_tp("bf16")}
+    out["sp"] = _train_tp(False, sp=True)
+    out["sp fp32"] = _train_tp("fp32", sp=True)  # accumulate + checkpoint
+    out["sp bf16"] = _train_tp("bf16", sp=True)  # and autocast
     try:  # a mesh over 2 of the 4 processes
         ft.tensor_parallel(tiny_gpt(), gpt_plan(), ft.distributed.tp_mesh(2)["tp"])
         out["small mesh"] = None
@@ -172,6 +184,14 @@ def _two_ranks(path):
         "llama": _train_tp(False, model=_hf("llama"), plan=hf_llama_plan(), rows=4),
         "errors": _errors(),
         "loaded": _load_onto(path),
+        "sp": _train_tp(False, sp=True),
+        "sp no sums": _train_tp(False, sp=True, cls=_NoPartialSums),
+        "sp gpt2": _train_tp(False, model=_hf("gpt2"), plan=hf_gpt2_plan(), rows=4, sp=True),
+        "vocab": _train_vocab(sequence_parallel=False),
+        "sp vocab": _train_vocab(sequence_parallel=True),
+        "sp dropout": _dropout_run(sequence_parallel=True),
+        "sp errors": _sp_errors(),
+        "sp bytes": _sp_bytes(),
     }
 
 
@@ -211,3 +231,170 @@ def test_bad_input_is_a_clear_error_when_the_step_is_built(two, four):
     assert "torch.compile" in errors["compile"]
     assert "tp.shard_state(state)" in errors["state"]
     assert "has 2 processes but the world has 4" in four[1][0]["small mesh"]
+
+
+def _sp_errors():
+    mesh = ft.distributed.tp_mesh(2)
+    model, step, state = _setup(ft.optim.sgd(0.1))
+    tp = ft.tensor_parallel(model, gpt_plan(), mesh, sequence_parallel=True)
+    odd = {k: v[:, :15] for k, v in lm_batch(2).items()}  # T = 15
+    cases = {
+        "llama": lambda: ft.tensor_parallel(
+            _hf("llama"), hf_llama_plan(), mesh, sequence_parallel=True
+        ),
+        "flag": lambda: ft.tensor_parallel(model, gpt_plan(), mesh, sequence_parallel="yes"),
+        "length": lambda: tp(step)(tp.shard_state(state), odd),
+    }
+    out = {}
+    for name, make in cases.items():
+        try:
+            make()
+            out[name] = None
+        except Exception as e:  # noqa: BLE001 - the message is what is checked
+            out[name] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def _sp_bytes():
+    """Bytes the whole tp step keeps for backward on this rank, without and with sequence
+    parallelism (a GPT whose blocks dominate: 4 blocks of width 64 on 64 tokens, vocabulary 64)."""
+    out = {}
+    for sp in (False, True):
+        model = tiny_gpt(n_layer=4, d_model=64, seq_len=64)
+        step = ft.train_step(lm_loss(model), ft.optim.sgd(0.1))
+        tp = ft.tensor_parallel(model, gpt_plan(), ft.distributed.tp_mesh(2), sequence_parallel=sp)
+        state = tp.shard_state(ft.TrainState.create(ft.params_of(model), ft.optim.sgd(0.1)))
+        batch = lm_batch(4, length=64)
+        out[sp] = ft.testing.saved_activation_bytes(tp(step), state, batch)
+    return out
+
+
+def _norms(params):
+    return {k: v for k, v in ft.tree.to_flat(params).items() if ".ln_" in k}
+
+
+def test_sequence_parallel_tp2_equals_one_process_norm_grads_summed(two):
+    want = _one_process()
+    got = two[0]["sp"][0]
+    _close(got.params, want.params, 1e-5)
+    _close(got.opt_state, want.opt_state, 1e-5)  # the moments: the norms' grads were whole
+    _close(two[1]["sp"][0].params, got.params, 0)
+    # the check can fail: without the sum over tp each norm trains on half the positions' grads
+    wrong = _norms(two[0]["sp no sums"][0].params)
+    worst = max((wrong[k] - v).abs().max().item() for k, v in _norms(want.params).items())
+    assert worst > 1e-3
+    _close(two[0]["sp gpt2"][0].params, _one_process(model=_hf("gpt2"), rows=4).params, 1e-5)
+
+
+def test_sequence_parallel_dp2_x_tp2_with_accumulate_checkpoint_and_bf16(four):
+    _, ranks = four
+    _close(ranks[0]["sp"][0].params, _one_process().params, 1e-5)
+    _close(ranks[3]["sp"][0].params, ranks[0]["sp"][0].params, 0)
+    _close(ranks[0]["sp fp32"][0].params, _one_process("fp32").params, 1e-5)
+    _close(ranks[0]["sp bf16"][0].params, _one_process("bf16").params, 1e-3)  # as plain tp's
+
+
+def test_sequence_parallel_keeps_fewer_activation_bytes(two):
+    # between the pairs a block keeps 4 activations (B, T, C) for backward: each norm's input and
+    # its output (the next column-parallel linear's input). Sequence parallelism keeps half of
+    # each on each of 2 ranks; what the pairs keep inside (heads, features) is split either way
+    sizes = two[0]["sp bytes"]
+    btc = 4 * 64 * 64 * 4  # one (B, T, C) fp32 activation
+    assert sizes[False] - sizes[True] >= 4 * (4 * btc // 2), sizes  # 4 blocks
+
+
+def test_sequence_parallel_bad_input_is_a_clear_error(two):
+    errors = two[0]["sp errors"]
+    assert "marks no module SequenceParallel()" in errors["llama"]
+    assert "sequence_parallel='yes'" in errors["flag"]
+    assert "(2, 15, 32)" in errors["length"] and "divide by tp=2" in errors["length"]
+
+
+def _vocab_run(tp_fn=None):
+    """3 AdamW steps of an untied GPT; with ``tp_fn(model) -> TensorParallel`` its lm_head is
+    split by columns and the loss is vocab_parallel_cross_entropy on the logits' slices."""
+    from ftrain.distributed import vocab_parallel_cross_entropy
+
+    model, opt = tiny_gpt(n_layer=2, tie_weights=False), ft.optim.adamw(1e-3)
+    tp = tp_fn(model) if tp_fn else None
+
+    def loss_fn(params, batch):
+        logits = ft.apply(model, params, batch["input"])  # (B, T, V / tp) under tp
+        if tp is None:
+            return ft.losses.cross_entropy(logits, batch["target"])
+        assert logits.shape[-1] == 64 // tp.tp  # never gathered
+        return vocab_parallel_cross_entropy(logits, batch["target"], tp.group)
+
+    step = ft.train_step(loss_fn, opt)
+    state = ft.TrainState.create(ft.params_of(model), opt)
+    if tp is not None:
+        step, state = tp(step), tp.shard_state(state)
+    for i in range(STEPS):
+        state, _ = step(state, lm_batch(ROWS, seed=i))
+    return ft.unshard_state(state) if tp is not None else state
+
+
+def _train_vocab(sequence_parallel):
+    mesh = ft.distributed.tp_mesh(2)
+    plan = gpt_plan(vocab_parallel=True)
+    return _vocab_run(
+        lambda m: ft.tensor_parallel(m, plan, mesh, sequence_parallel=sequence_parallel)
+    )
+
+
+def test_vocab_parallel_loss_with_and_without_sequence_parallel_equals_one_process(two):
+    want = _vocab_run()
+    _close(two[0]["vocab"].params, want.params, 1e-5)
+    _close(two[0]["sp vocab"].params, want.params, 1e-5)
+
+
+class _SequenceDropoutReference(ft.Transform):
+    """One process: each nn.Dropout of the blocks masks as documented for sequence parallelism,
+    from one draw of the step's stream and each entry's position in the whole sequence."""
+
+    def rewrite(self, module):
+        from ftrain.blocks import replace_forwards
+        from ftrain.distributed import sequence_dropout
+
+        def make(current):
+            return lambda x: sequence_dropout(x, current.p, torch.randint(0, 2**62, ()))
+
+        drops = [m for b in module.blocks for m in b.modules() if isinstance(m, torch.nn.Dropout)]
+        return replace_forwards(module, [(m, make) for m in drops])
+
+
+def _dropout_run(sequence_parallel=None):
+    """3 AdamW steps of a GPT with dropout 0.1 (the embeddings' and the blocks' residual
+    branches; attention's own dropout off: inside a pair it matches only in distribution), on
+    tp = 2 with sequence parallelism, or (None) on one process with the reference masks."""
+    model, opt = tiny_gpt(n_layer=2, dropout=0.1), ft.optim.adamw(1e-3)
+    for block in model.blocks:
+        block.attn.dropout = 0.0
+    step = ft.train_step(lm_loss(model), opt)
+    state = ft.TrainState.create(ft.params_of(model), opt)
+    if sequence_parallel is None:
+        step = _SequenceDropoutReference()(step)
+    else:
+        tp = ft.tensor_parallel(
+            model, gpt_plan(), ft.distributed.tp_mesh(2), sequence_parallel=True
+        )
+        step, state = tp(ft.checkpoint(step)), tp.shard_state(state)  # recompute: same masks
+    for i in range(STEPS):
+        state, metrics = step(state, lm_batch(ROWS, seed=i))
+    return (ft.unshard_state(state) if sequence_parallel else state), float(metrics["loss"])
+
+
+def test_sequence_parallel_dropout_masks_each_global_position_once(two):
+    want, want_loss = _dropout_run()
+    got, loss = two[0]["sp dropout"]
+    _close(got.params, want.params, 1e-5)
+    assert loss == pytest.approx(want_loss, rel=1e-6)
+    # the check can fail: plain dropout (torch's masks) trains to different params
+    plain = _one_process()
+    assert (
+        max(
+            (a - b).abs().max()
+            for a, b in zip(ft.tree.leaves(plain.params), ft.tree.leaves(want.params))
+        )
+        > 1e-4
+    )

@@ -13,6 +13,9 @@ A *plan* maps module-path patterns (``fnmatch`` syntax over ``model.named_module
 * :class:`Divide` (no parameters): integer attributes of a module that count what each process
   now holds a share of, divided by the tp size in the copy the forward runs (an attention's head
   count, e.g. ``Divide("n_head")``). Models that infer heads from the input width need none.
+* :class:`SequenceParallel` (no parameters): the modules that run on sequence slices under
+  ``ft.tensor_parallel(..., sequence_parallel=True)`` (the blocks, e.g. ``"blocks.*"``); ignored
+  otherwise. See ``ftrain.distributed.tp_sequence``.
 
 Hugging Face ``Conv1D`` (GPT-2) stores its weight transposed, ``(in, out)``: the same style
 splits the other dimension, which :func:`resolve_plan` handles. Parameters that no pattern names
@@ -36,6 +39,7 @@ __all__ = [
     "Colwise",
     "Rowwise",
     "Divide",
+    "SequenceParallel",
     "Split",
     "match_plan",
     "resolve_divisions",
@@ -81,6 +85,14 @@ class Divide:
 
 
 @dataclasses.dataclass(frozen=True)
+class SequenceParallel:
+    """The modules a pattern names run on this process's slice of the sequence under sequence
+    parallelism: the hidden states (the first argument) are split along dim 1 entering the first
+    of them (in ``named_modules`` order, outermost matches only) and gathered leaving the last.
+    Name consecutive blocks that hold whole column/row pairs (``"blocks.*"``)."""
+
+
+@dataclasses.dataclass(frozen=True)
 class Split:
     """Where one parameter lives under tensor parallelism: ``dim`` is the split dimension of the
     stored tensor (None: whole on every process); ``chunks`` fused blocks along ``dim`` are each
@@ -90,7 +102,7 @@ class Split:
     chunks: int = 1
 
 
-_STYLES = (Colwise, Rowwise, Divide)
+_STYLES = (Colwise, Rowwise, Divide, SequenceParallel)
 
 
 def is_conv1d(module: nn.Module) -> bool:
@@ -131,11 +143,11 @@ def _splits(name: str, module: nn.Module, style, tp: int) -> dict[str, Split]:
 
 def match_plan(model: nn.Module, plan: Mapping[str, object]) -> list[tuple[str, object]]:
     """``(module path, style)`` for every module a pattern of ``plan`` names (a module may have
-    a linear style and a ``Divide``).
+    a linear style, a ``Divide`` and a ``SequenceParallel``).
 
-    Raises ``TypeError`` for a style that is not ``Colwise``/``Rowwise``/``Divide`` and
-    ``ValueError`` when a pattern names no module or two patterns of one kind (linear styles, or
-    ``Divide``) name the same module."""
+    Raises ``TypeError`` for a style that is not ``Colwise``/``Rowwise``/``Divide``/
+    ``SequenceParallel`` and ``ValueError`` when a pattern names no module or two patterns of one
+    kind (linear styles, ``Divide``, ``SequenceParallel``) name the same module."""
     if not isinstance(plan, Mapping) or not plan:
         raise TypeError(
             f"tensor parallel plan: expected a non-empty mapping of module-path patterns to "
@@ -143,12 +155,12 @@ def match_plan(model: nn.Module, plan: Mapping[str, object]) -> list[tuple[str, 
         )
     modules = dict(model.named_modules())
     styles: list[tuple[str, object]] = []
-    owner: dict[tuple[str, bool], str] = {}
+    owner: dict[tuple[str, type], str] = {}
     for pattern, style in plan.items():
         if not isinstance(style, _STYLES):
             raise TypeError(
-                f"tensor parallel plan[{pattern!r}] = {style!r}: expected Colwise(), Rowwise() "
-                "or Divide('attr', ...)."
+                f"tensor parallel plan[{pattern!r}] = {style!r}: expected Colwise(), Rowwise(), "
+                "Divide('attr', ...) or SequenceParallel()."
             )
         names = [n for n in modules if n and fnmatch.fnmatchcase(n, pattern)]
         if not names:
@@ -158,7 +170,7 @@ def match_plan(model: nn.Module, plan: Mapping[str, object]) -> list[tuple[str, 
                 f"{type(model).__name__} (module paths look like: {sample}, ...). Fix the pattern "
                 "(fnmatch syntax over model.named_modules() names)."
             )
-        kind = isinstance(style, Divide)
+        kind = Colwise if isinstance(style, (Colwise, Rowwise)) else type(style)
         for name in names:
             if (name, kind) in owner:
                 raise ValueError(
@@ -182,7 +194,7 @@ def resolve_plan(model: nn.Module, plan: Mapping[str, object], tp: int) -> dict[
     modules = dict(model.named_modules())
     splits: dict[str, Split] = {name: Split(None) for name, _ in model.named_parameters()}
     for name, style in match_plan(model, plan):
-        if not isinstance(style, Divide):
+        if isinstance(style, (Colwise, Rowwise)):
             splits.update(_splits(name, modules[name], style, tp))
     resolve_divisions(model, plan, tp)  # the divided attributes must divide too
     return splits
@@ -214,11 +226,19 @@ def resolve_divisions(model: nn.Module, plan: Mapping[str, object], tp: int) -> 
     return out
 
 
-def gpt_plan() -> dict[str, object]:
+def gpt_plan(*, vocab_parallel: bool = False) -> dict[str, object]:
     """The plan for ``ftrain.models.GPT``: attention ``qkv`` by columns (three fused blocks, so
     each process holds whole heads; ``n_head`` divided), its ``proj`` by rows; MLP ``fc`` by columns, ``proj`` by
-    rows. Needs ``n_head`` and ``4 * d_model`` divisible by the tp size."""
-    return {
+    rows. Needs ``n_head`` and ``4 * d_model`` divisible by the tp size. The blocks run on
+    sequence slices under ``sequence_parallel=True`` (``SequenceParallel``).
+
+    ``vocab_parallel=True`` also splits ``lm_head`` by columns (a GPT with
+    ``tie_weights=False`` and a vocabulary divisible by the tp size): the model then returns
+    this process's vocabulary slice of the logits ``(B, T, V / tp)``, never gathered; train it
+    with ``ftrain.distributed.vocab_parallel_cross_entropy(logits, targets, tp.group)``."""
+    head = {"lm_head": Colwise()} if vocab_parallel else {}
+    return head | {
+        "blocks.*": SequenceParallel(),
         "blocks.*.attn": Divide("n_head"),
         "blocks.*.attn.qkv": Colwise(chunks=3),
         "blocks.*.attn.proj": Rowwise(),
@@ -231,8 +251,10 @@ def hf_gpt2_plan() -> dict[str, object]:
     """The plan for Hugging Face GPT-2 (``GPT2LMHeadModel``, ``Conv1D`` layers whose weights are
     stored transposed): ``c_attn`` by columns (q, k, v fused; ``num_heads`` and ``split_size``
     divided), ``attn.c_proj`` by rows,
-    ``mlp.c_fc`` by columns, ``mlp.c_proj`` by rows."""
+    ``mlp.c_fc`` by columns, ``mlp.c_proj`` by rows; the blocks run on sequence slices under
+    ``sequence_parallel=True``."""
     return {
+        "transformer.h.*": SequenceParallel(),
         "transformer.h.*.attn": Divide("num_heads", "split_size"),
         "transformer.h.*.attn.c_attn": Colwise(chunks=3),
         "transformer.h.*.attn.c_proj": Rowwise(),
@@ -245,7 +267,10 @@ def hf_llama_plan() -> dict[str, object]:
     """The plan for Hugging Face Llama (``LlamaForCausalLM``): q, k, v by columns, ``o_proj`` by
     rows; ``gate_proj`` and ``up_proj`` by columns, ``down_proj`` by rows. Needs both the query
     and the key/value head counts divisible by the tp size. Llama's attention infers its head
-    count from the projections' width, so nothing is divided."""
+    count from the projections' width, so nothing is divided.
+
+    No ``SequenceParallel`` region: Llama's attention reshapes q, k and v by the sequence length
+    of its input, which sequence parallelism splits, so ``sequence_parallel=True`` is refused."""
     return {
         "model.layers.*.self_attn.[qkv]_proj": Colwise(),
         "model.layers.*.self_attn.o_proj": Rowwise(),

@@ -37,6 +37,9 @@ A GPT block on this rank's slice ``x`` ``(B, T / tp, C)``, with ``tp``'s pieces 
     x = x + sequence_dropout(rowwise_linear_sp(y, proj_w, proj_b, group), p, key, offset=o)
     ...                                                       # o = rank * T / tp
     sum_partial_grads([ln_1.weight.grad, ln_1.bias.grad, proj_b.grad, ...], group)
+
+``ft.tensor_parallel(model, plan, mesh, sequence_parallel=True)`` wires these into any model whose
+plan marks its blocks ``SequenceParallel()`` (``ftrain.distributed.tp_sequence``).
 """
 
 from __future__ import annotations

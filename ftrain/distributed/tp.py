@@ -76,10 +76,15 @@ class PairCollectives(NamedTuple):
     """The communication around a column-then-row parallel pair, one function each way:
     ``enter(x)`` makes the input of a column-parallel layer (whole on every process afterwards),
     ``exit(y)`` turns a row-parallel layer's partial output into the layer's output (before its
-    bias). Each is an autograd function whose backward is the other's dual."""
+    bias). Each is an autograd function whose backward is the other's dual.
+
+    ``colwise(x, weight, bias)``, when given, is the whole column-parallel linear (``weight``
+    ``(out / tp, in)``): ``F.linear(enter(x), weight, bias)`` in value and gradients, free to keep
+    less for backward (sequence parallelism keeps ``x``'s slice, not the gathered input)."""
 
     enter: Callable[[torch.Tensor], torch.Tensor]
     exit: Callable[[torch.Tensor], torch.Tensor]
+    colwise: Callable[..., torch.Tensor] | None = None
 
 
 def megatron(group) -> PairCollectives:

@@ -21,15 +21,22 @@ gradient (nothing to sum across the ``tp`` group).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ftrain.blocks import replace_forwards
+from ftrain.blocks import MakeForward, replace_forwards
 from ftrain.distributed.dtensor import is_dtensor
-from ftrain.distributed.plans import Colwise, Divide, is_conv1d, match_plan, resolve_divisions
+from ftrain.distributed.plans import (
+    Colwise,
+    Divide,
+    Rowwise,
+    is_conv1d,
+    match_plan,
+    resolve_divisions,
+)
 from ftrain.distributed.tp import PairCollectives
 from ftrain.modules import copy_module, param_slots
 
@@ -49,6 +56,9 @@ def _matmul(module: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> to
 def _colwise(io: PairCollectives):
     def make(current: nn.Module):
         def forward(x):
+            if io.colwise is not None:  # the collective and the product in one (saves x only)
+                w = current.weight
+                return io.colwise(x, w.t() if is_conv1d(current) else w, current.bias)
             return _matmul(current, io.enter(x), current.bias)
 
         return forward
@@ -105,19 +115,26 @@ def _localizing(slots: list[tuple[dict, str]]):
 
 
 def tp_copy(
-    module: nn.Module, plan: Mapping[str, object], tp: int, io: PairCollectives
+    module: nn.Module,
+    plan: Mapping[str, object],
+    tp: int,
+    io: PairCollectives | Callable[[str], PairCollectives],
+    more: Sequence[tuple[nn.Module, MakeForward]] = (),
 ) -> nn.Module:
     """A copy of ``module`` that runs tensor-parallel over ``tp`` processes as ``plan`` says,
-    with ``io`` around each column/row pair (see the module docstring). Same parameter tables as
-    ``module``; ``module`` itself is not modified."""
+    with ``io`` around each column/row pair (see the module docstring; or ``io(path)`` for the
+    linear at module ``path``), and the forwards of ``more`` replaced too (sequence parallelism's
+    split and gather). Same parameter tables as ``module``; ``module`` itself is not modified."""
     modules = dict(module.named_modules())
     divisions = resolve_divisions(module, plan, tp)
     replacements = []
     for name, style in match_plan(module, plan):
         if isinstance(style, Divide):
             replacements.append((modules[name], _divided(divisions[name])))
-        else:
-            make = _colwise(io) if isinstance(style, Colwise) else _rowwise(io)
+        elif isinstance(style, (Colwise, Rowwise)):
+            pair = io if isinstance(io, PairCollectives) else io(name)
+            make = _colwise(pair) if isinstance(style, Colwise) else _rowwise(pair)
             replacements.append((modules[name], make))
+    replacements.extend(more)
     replacements.append((module, _localizing(param_slots(module.modules()))))
     return replace_forwards(module, replacements)

@@ -291,7 +291,8 @@ def build_step(
         step = ft.accumulate(step, cfg.micro_batches)
     if cfg.tp > 1:  # the matrices over tp processes, the batch over the dp groups (ddp)
         mesh = ft.distributed.tp_mesh(cfg.tp)
-        step = ft.tensor_parallel(model, plan_for(model), mesh)(step)
+        sp = cfg.sequence_parallel
+        step = ft.tensor_parallel(model, plan_for(model), mesh, sequence_parallel=sp)(step)
         step = ft.shard(step, "ddp", mesh=mesh["dp"])
     elif cfg.shard != "none":
         step = ft.shard(step, cfg.shard)

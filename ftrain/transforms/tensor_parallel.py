@@ -18,8 +18,16 @@ Composition:
   ``ft.autocast`` compose in any order; ``ft.compile`` is refused (collectives and DTensor).
 * The optimizers of ``ftrain.optim`` run on the pieces unchanged (DTensor makes their norms global).
 * Randomness: dropout draws the same stream on every ``tp`` process, so the whole activations
-  between pairs get the same masks; dropout inside a pair (attention probabilities of this
-  process's heads) equals one process only in distribution.
+  between pairs get the same masks (under ``sequence_parallel``, masks per global position);
+  dropout inside a pair (attention probabilities of this process's heads) equals one process
+  only in distribution.
+
+``sequence_parallel=True`` splits the activations between the pairs along the sequence
+(``ftrain.distributed.tp_sequence``): the plan's ``SequenceParallel`` modules run on ``T / tp``
+positions, the pairs all-gather / reduce-scatter the sequence, and the gradients of the whole
+parameters inside them (norms, row-parallel biases), partial sums, are added over ``tp`` by the
+gradient engine; their ``nn.Dropout`` masks are drawn per global position. The rule above holds
+unchanged.
 """
 
 from __future__ import annotations
@@ -38,6 +46,13 @@ from ftrain.distributed.plans import Split, resolve_plan
 from ftrain.distributed.tp import PairCollectives, megatron
 from ftrain.distributed.tp_layout import check_tp_mesh, lay_out_state
 from ftrain.distributed.tp_model import tp_copy
+from ftrain.distributed.tp_sequence import (
+    SumPartialGrads,
+    partial_params,
+    region,
+    sequence_forwards,
+    sequence_pair,
+)
 from ftrain.state import TrainState
 from ftrain.step import Transform
 
@@ -46,13 +61,16 @@ __all__ = ["TensorParallel", "tensor_parallel"]
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class TensorParallel(Transform):
-    """Tensor parallelism for ``model`` as ``plan`` says, on ``mesh``'s ``tp`` dimension (see
-    :func:`tensor_parallel`)."""
+    """Tensor parallelism for ``model`` as ``plan`` says, on ``mesh``'s ``tp`` dimension, with
+    ``sequence_parallel`` between the pairs (see :func:`tensor_parallel`)."""
 
     model: nn.Module
     plan: Mapping[str, object]
     mesh: Any
+    sequence_parallel: bool = False
     splits: dict[str, Split] = dataclasses.field(init=False, repr=False)
+    sequence_region: tuple[str, ...] = dataclasses.field(init=False, repr=False)  # split modules
+    partial: frozenset[str] = dataclasses.field(init=False, repr=False)  # their whole params
 
     name = "tensor_parallel"
     once = True
@@ -67,17 +85,38 @@ class TensorParallel(Transform):
         require_group("tensor_parallel")
         object.__setattr__(self, "mesh", check_tp_mesh(self.mesh, "tensor_parallel"))
         object.__setattr__(self, "splits", resolve_plan(self.model, self.plan, self.tp))
+        if not isinstance(self.sequence_parallel, bool):
+            raise TypeError(
+                f"ft.tensor_parallel(sequence_parallel={self.sequence_parallel!r}): expected "
+                "True or False."
+            )
+        names = region(self.model, self.plan) if self.sequence_parallel else []
+        object.__setattr__(self, "sequence_region", tuple(names))
+        object.__setattr__(self, "partial", partial_params(self.model, names, self.splits))
 
     @property
     def tp(self) -> int:
         """The number of processes that split each matrix."""
         return self.mesh["tp"].size()
 
-    def collectives(self) -> PairCollectives:
-        """The communication entering each column-parallel layer and leaving each row-parallel
-        one: Megatron's f and g over the ``tp`` group. The one place that chooses them (sequence
-        parallelism swaps in an all-gather / reduce-scatter over the sequence)."""
-        return megatron(self.mesh.get_group("tp"))
+    @property
+    def group(self):
+        """The ``tp`` process group (what ``vocab_parallel_cross_entropy`` reduces over)."""
+        return self.mesh.get_group("tp")
+
+    def collectives(self, path: str = "") -> PairCollectives:
+        """The communication entering the column-parallel layer and leaving the row-parallel one
+        at module ``path``, over the ``tp`` group; the one place that chooses them. Megatron's f
+        and g (identity / all-reduce); with ``sequence_parallel``, inside the sequence region
+        (the ``SequenceParallel`` modules; every path when ``path`` is empty), an all-gather over
+        the sequence in (the column-parallel linear saving only the slice) and a reduce-scatter
+        over it out. A column-parallel ``lm_head`` after the region sees the gathered sequence
+        and keeps Megatron's f."""
+        group = self.mesh.get_group("tp")
+        inside = not path or any(
+            path == r or path.startswith(r + ".") for r in self.sequence_region
+        )
+        return sequence_pair(group) if self.sequence_parallel and inside else megatron(group)
 
     def shard_state(self, state: TrainState) -> TrainState:
         """``state`` (whole, the same on every process) laid out on the mesh: this process's
@@ -115,6 +154,12 @@ class TensorParallel(Transform):
     def optimizer(self, optimizer):
         return on_shards(optimizer)  # the params, grads and moments are DTensors
 
+    def engine(self, engine):
+        if not self.partial:
+            return engine
+        # sequence parallelism: norms (and row-parallel biases) saw this process's positions only
+        return SumPartialGrads(engine, self.partial, self.mesh.get_group("tp"))
+
     # -- each call ------------------------------------------------------------------------------
     @contextlib.contextmanager
     def around_step(self, state: TrainState) -> Iterator[None]:
@@ -128,10 +173,17 @@ class TensorParallel(Transform):
         yield
 
     def rewrite(self, module: nn.Module) -> nn.Module:
-        return tp_copy(module, self.plan, self.tp, self.collectives())
+        more = []
+        if self.sequence_parallel:
+            more = sequence_forwards(
+                module, list(self.sequence_region), self.mesh.get_group("tp"), self.tp
+            )
+        return tp_copy(module, self.plan, self.tp, self.collectives, more)
 
 
-def tensor_parallel(model: nn.Module, plan: Mapping[str, object], mesh: Any) -> TensorParallel:
+def tensor_parallel(
+    model: nn.Module, plan: Mapping[str, object], mesh: Any, *, sequence_parallel: bool = False
+) -> TensorParallel:
     """Tensor parallelism for ``model``: a transform to apply to a step, which also lays out the
     state it trains (``tp.shard_state(state)``)::
 
@@ -142,18 +194,32 @@ def tensor_parallel(model: nn.Module, plan: Mapping[str, object], mesh: Any) -> 
 
     Args:
         model: the module the loss calls through ``ft.apply`` (it is never modified).
-        plan: module-path patterns -> ``Colwise()`` / ``Rowwise()`` / ``Divide(...)``
+        plan: module-path patterns -> ``Colwise()`` / ``Rowwise()`` / ``Divide(...)`` /
+            ``SequenceParallel()``
             (``ftrain.distributed.plans``: ``gpt_plan``, ``hf_gpt2_plan``, ``hf_llama_plan``).
         mesh: a ``DeviceMesh`` over every process with a ``"tp"`` dimension
             (``ft.distributed.tp_mesh(tp)``).
+        sequence_parallel: split the activations between the pairs along the sequence (dim 1)
+            inside the modules the plan marks ``SequenceParallel()`` (the blocks): each process
+            keeps ``1 / tp`` of the norms' activations; the pairs all-gather and reduce-scatter
+            the sequence instead of all-reducing; the partial gradients of the norms and
+            row-parallel biases there are summed over ``tp`` after backward; each ``nn.Dropout``
+            there masks per global position (``sequence_dropout``). False (default):
+            Megatron's all-reduces, every activation between the pairs whole, as before.
+
+    With ``plan = gpt_plan(vocab_parallel=True)`` (an untied GPT) the model returns this
+    process's vocabulary slice of the logits; train it with
+    ``ft.distributed.vocab_parallel_cross_entropy(logits, targets, tp.group)``.
 
     **Invariant:** equals one process holding the whole params (fp32: 1e-5 after several steps,
     any optimizer of ``ftrain.optim``), also on a 2-D mesh under ``ft.shard(..., "ddp")`` and
-    with ``accumulate``/``checkpoint``/``autocast``.
+    with ``accumulate``/``checkpoint``/``autocast``; with ``sequence_parallel`` too (the norms'
+    params included), and with the vocabulary-parallel loss.
 
     Raises when built: no process group, a mesh without ``"tp"`` or not over every process, a
     pattern that names no module, a split dimension (or divided head count) not divisible by the
-    tp size, ``shard`` with another strategy or mesh, ``compile``. At the first call: a state that
-    ``shard_state`` did not lay out.
+    tp size, ``shard`` with another strategy or mesh, ``compile``; with ``sequence_parallel``: a
+    plan without ``SequenceParallel()`` (``hf_llama_plan``). At the first call: a state that ``shard_state`` did not lay out; with
+    ``sequence_parallel``, a sequence length not divisible by the tp size.
     """
-    return TensorParallel(model, plan, mesh)
+    return TensorParallel(model, plan, mesh, sequence_parallel)
