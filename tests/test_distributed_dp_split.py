@@ -1,0 +1,135 @@
+"""zero1/zero2/fsdp over the ``dp`` dimension under tensor parallelism (``dp_split``).
+
+One spawn of 4 gloo ranks (2 dp x 2 tp) trains a tiny GPT with each strategy, composed with
+accumulate + checkpoint and with bf16 autocast, saves an fsdp x tp state, measures bytes per rank
+and collects the build-time error for a wrong mesh. Each rank returns whole (unsharded) states,
+compared here against one process given the whole batch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ftrain as ft
+from ftrain.distributed import local_bytes
+from ftrain.distributed.plans import gpt_plan
+from ftrain.testing import run_distributed
+from tests._tiny import lm_batch, lm_loss, tiny_gpt
+
+STEPS, ROWS = 3, 8
+
+
+def _step(opt, compose, model):
+    step = ft.train_step(lm_loss(model), opt)
+    if compose == "fp32":  # accumulate + checkpoint
+        step = ft.accumulate(ft.checkpoint(step), 2)
+    elif compose == "bf16":
+        step = ft.accumulate(ft.checkpoint(ft.autocast(step, dtype=torch.bfloat16)), 2)
+    return step
+
+
+def _opt(compose):
+    # sgd under bf16: adamw's update (about +-lr for any gradient) would amplify bf16 rounding of
+    # a gradient that is zero up to rounding (the k-projection bias) into an lr-sized difference
+    return ft.optim.sgd(0.1) if compose == "bf16" else ft.optim.adamw(1e-3)
+
+
+def _one_process(compose=None):
+    model = tiny_gpt(n_layer=2)
+    opt = _opt(compose)
+    step, state = _step(opt, compose, model), ft.TrainState.create(ft.params_of(model), opt)
+    for i in range(STEPS):
+        state, _ = step(state, lm_batch(ROWS, seed=i))
+    return state
+
+
+def _train(strategy, compose=None, *, inner=False, path=None, bytes_only=False):
+    """``STEPS`` steps on the 2 x 2 mesh: tensor parallel over tp, ``strategy`` over dp.
+    ``inner``: shard wrapped inside tensor_parallel (the other order)."""
+    model, opt = tiny_gpt(n_layer=2), _opt(compose)
+    state = ft.TrainState.create(ft.params_of(model), opt)
+    mesh = ft.distributed.tp_mesh(2)
+    dp = mesh["dp"]
+    tp = ft.tensor_parallel(model, gpt_plan(), mesh)
+    step = _step(opt, compose, model)
+    step = tp(ft.shard(step, strategy, mesh=dp)) if inner else ft.shard(tp(step), strategy, mesh=dp)
+    state = ft.shard_state(tp.shard_state(state), strategy, mesh=dp)
+    if bytes_only:
+        return local_bytes(state)
+    share = ROWS // dp.size()
+    for i in range(STEPS):
+        batch = lm_batch(ROWS, seed=i)
+        mine = {k: v[dp.get_local_rank() * share :][:share] for k, v in batch.items()}
+        state, metrics = step(state, mine)
+    if path is not None:
+        ft.save(state, path)
+    return ft.unshard_state(state)
+
+
+def _four_ranks(path):
+    out = {s: _train(s) for s in ("zero1", "zero2")}
+    out["fsdp"] = _train("fsdp", path=path)
+    out["fsdp inner"] = _train("fsdp", inner=True)
+    out["fsdp fp32"] = _train("fsdp", "fp32")
+    out["zero2 fp32"] = _train("zero2", "fp32")
+    out["fsdp bf16"] = _train("fsdp", "bf16")
+    out["bytes"] = {s: _train(s, bytes_only=True) for s in ("ddp", "fsdp")}
+    model = tiny_gpt(n_layer=2)
+    tp = ft.tensor_parallel(model, gpt_plan(), ft.distributed.tp_mesh(2))
+    try:  # fsdp over every process instead of the dp dimension
+        ft.shard(tp(ft.train_step(lm_loss(model), ft.optim.sgd(0.1))), "fsdp")
+        out["wrong mesh"] = None
+    except ValueError as e:
+        out["wrong mesh"] = str(e)
+    return out
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("dpsplit") / "ckpt")
+    return path, run_distributed(_four_ranks, 4, path)
+
+
+def _max_diff(a, b):
+    return max(float((x - y).abs().max()) for x, y in zip(ft.tree.leaves(a), ft.tree.leaves(b)))
+
+
+def test_zero_and_fsdp_over_dp_equal_one_process(four):
+    _, ranks = four
+    want = _one_process()
+    for name in ("zero1", "zero2", "fsdp", "fsdp inner"):
+        for r in ranks:  # every rank holds the same whole state
+            assert _max_diff(r[name].params, ranks[0][name].params) == 0, name
+        assert _max_diff(ranks[0][name].params, want.params) <= 1e-5, name
+        assert _max_diff(ranks[0][name].opt_state, want.opt_state) <= 1e-5, name
+
+
+def test_fsdp_over_dp_composes_with_accumulate_checkpoint_and_bf16(four):
+    _, ranks = four
+    want = _one_process("fp32")
+    for name in ("fsdp fp32", "zero2 fp32"):
+        assert _max_diff(ranks[0][name].params, want.params) <= 1e-5, name
+    # bf16: the row-parallel partial sums are rounded before they are added, and the dp ranks'
+    # gradients are summed from bf16-computed halves (one process rounds each whole sum once)
+    assert _max_diff(ranks[0]["fsdp bf16"].params, _one_process("bf16").params) <= 1e-3
+
+
+def test_fsdp_x_tp_save_loads_on_one_process_bitwise(four):
+    path, ranks = four
+    loaded = ft.load(path)
+    whole = ranks[0]["fsdp"]
+    for x, y in zip(ft.tree.leaves(loaded), ft.tree.leaves(whole)):
+        assert torch.equal(x, y)
+
+
+def test_fsdp_over_dp_halves_the_bytes_of_each_rank(four):
+    _, ranks = four
+    for r in ranks:
+        assert r["bytes"]["fsdp"] / r["bytes"]["ddp"] < 0.65
+
+
+def test_shard_over_another_mesh_than_dp_is_refused(four):
+    _, ranks = four
+    message = ranks[0]["wrong mesh"]
+    assert message is not None and "mesh=mesh['dp']" in message
