@@ -16,6 +16,10 @@ Everything a gather needs during backward (the session, the plan, the trackers) 
 the forward: backward, and the recompute of a checkpointed block, may run on autograd's worker
 threads, which see no scoped value.
 
+Under tensor parallelism the params are DTensors on the ``("dp", "tp")`` mesh, split over ``dp``
+as ``ftrain.distributed.dp_split`` says; a gather then gives this process's ``tp`` piece (what
+the tensor-parallel forward computes with), and its gradient is reduce-scattered back over ``dp``.
+
 So the parameter memory of a process is its shard plus about one block at a time
 (:func:`track_gathered` measures it).
 """

@@ -143,6 +143,10 @@ def shard_state(state: TrainState, strategy: str = "ddp", mesh: Any = None) -> T
     one loaded from a checkpoint); this is checked (one small collective). No other traffic: each
     process copies out its own rows, so the whole tensors can be freed afterwards. A state that is
     already sharded is re-laid out (gathered first if needed), so ``shard_state`` is idempotent.
+
+    A tensor-parallel state (``tp.shard_state(state)``) is laid out over ``mesh``, the ``dp``
+    dimension of its mesh: its pieces are split again over ``dp`` (``ftrain.distributed.dp_split``),
+    the same fields as above.
     """
     strategy = check_strategy(strategy, "shard_state")
     require_group("shard_state")

@@ -26,6 +26,13 @@ Composition:
 * ``ft.compile`` works for ``ddp``, ``zero1`` and ``zero2`` (the collectives and DTensor break the
   graph). It is refused for ``fsdp`` when the step is built, in either order: dynamo cannot trace
   the per-block gathering (saved-tensor hooks, gathers during backward).
+* ``ft.tensor_parallel`` on a ``("dp", "tp")`` mesh: ``ft.shard(step, strategy, mesh=mesh["dp"])``
+  with any strategy, inside or outside ``tp(...)``, on a state laid out by
+  ``ft.shard_state(tp.shard_state(state), strategy, mesh=mesh["dp"])``. Each tp piece is split
+  again over ``dp`` along a dimension tensor parallelism does not split
+  (``ftrain.distributed.dp_split``), so ``fsdp`` gathers exactly the piece the tensor-parallel
+  forward computes with; a tp piece too small to split (a column-parallel bias) stays whole over
+  ``dp`` and its gradient is all-reduced.
 * The model must be called through ``ft.apply`` inside the loss (``fsdp`` gathers there).
 * Randomness: each process folds its rank into the step's random stream, so dropout masks differ
   between ranks (as they would between the rows of one big batch), and a sharded run with dropout
@@ -179,7 +186,8 @@ def shard(step: Step, strategy: str = "ddp", mesh: Any = None) -> Step:
         step: an ``ft.Step`` (``accumulate``, ``checkpoint`` and ``autocast`` may come before or
             after; ``compile`` after, except for ``fsdp``).
         strategy: ``"ddp"``, ``"zero1"``, ``"zero2"`` or ``"fsdp"``.
-        mesh: a 1-D ``DeviceMesh``; default ``ft.distributed.default_mesh()``.
+        mesh: a 1-D ``DeviceMesh``; default ``ft.distributed.default_mesh()``. Under
+            ``ft.tensor_parallel``: ``mesh["dp"]`` of its mesh.
 
     **Invariant:** N processes each given 1/N of the batch (any split, any padding) give the same
     state as one process given the whole batch: fp32, 1e-5 relative after several steps, for every
