@@ -26,6 +26,8 @@ def _step(opt, compose, model):
         step = ft.accumulate(ft.checkpoint(step), 2)
     elif compose == "bf16":
         step = ft.accumulate(ft.checkpoint(ft.autocast(step, dtype=torch.bfloat16)), 2)
+    elif compose == "fp16":  # loss scaling: fsdp leaves the grads unreduced for the reweighting
+        step = ft.autocast(step, dtype=torch.float16)
     return step
 
 
@@ -44,9 +46,10 @@ def _one_process(compose=None):
     return state
 
 
-def _train(strategy, compose=None, *, inner=False, path=None, bytes_only=False):
+def _train(strategy, compose=None, *, inner=False, path=None, layout_only=False):
     """``STEPS`` steps on the 2 x 2 mesh: tensor parallel over tp, ``strategy`` over dp.
-    ``inner``: shard wrapped inside tensor_parallel (the other order)."""
+    ``inner``: shard wrapped inside tensor_parallel (the other order). ``layout_only``: the
+    fresh state as laid out, no step."""
     model, opt = tiny_gpt(n_layer=2), _opt(compose)
     state = ft.TrainState.create(ft.params_of(model), opt)
     mesh = ft.distributed.tp_mesh(2)
@@ -54,9 +57,9 @@ def _train(strategy, compose=None, *, inner=False, path=None, bytes_only=False):
     tp = ft.tensor_parallel(model, gpt_plan(), mesh)
     step = _step(opt, compose, model)
     step = tp(ft.shard(step, strategy, mesh=dp)) if inner else ft.shard(tp(step), strategy, mesh=dp)
-    state = ft.shard_state(tp.shard_state(state), strategy, mesh=dp)
-    if bytes_only:
-        return local_bytes(state)
+    state = ft.shard_state(tp.shard_state(step.init_extra(state)), strategy, mesh=dp)
+    if layout_only:
+        return state
     share = ROWS // dp.size()
     for i in range(STEPS):
         batch = lm_batch(ROWS, seed=i)
@@ -74,7 +77,10 @@ def _four_ranks(path):
     out["fsdp fp32"] = _train("fsdp", "fp32")
     out["zero2 fp32"] = _train("zero2", "fp32")
     out["fsdp bf16"] = _train("fsdp", "bf16")
-    out["bytes"] = {s: _train(s, bytes_only=True) for s in ("ddp", "fsdp")}
+    out["fp16"] = {s: _train(s, "fp16") for s in ("ddp", "fsdp")}
+    laid = {s: _train(s, layout_only=True) for s in ("ddp", "fsdp")}
+    out["bytes"] = {s: local_bytes(state) for s, state in laid.items()}
+    out["loaded"] = ft.unshard_state(ft.load(path, like=laid["fsdp"]))  # onto fsdp x tp
     model = tiny_gpt(n_layer=2)
     tp = ft.tensor_parallel(model, gpt_plan(), ft.distributed.tp_mesh(2))
     try:  # fsdp over every process instead of the dp dimension
@@ -115,12 +121,21 @@ def test_fsdp_over_dp_composes_with_accumulate_checkpoint_and_bf16(four):
     assert _max_diff(ranks[0]["fsdp bf16"].params, _one_process("bf16").params) <= 1e-3
 
 
-def test_fsdp_x_tp_save_loads_on_one_process_bitwise(four):
+def test_fp16_loss_scaling_under_fsdp_over_dp_equals_ddp_over_dp(four):
+    # fsdp leaves the grads unreduced (Partial over dp) for the loss scale's reweighting, and
+    # ft.shard's reduce then reduce-scatters them: the same sums as ddp's all-reduce
+    _, ranks = four
+    fp16 = ranks[0]["fp16"]
+    assert _max_diff(fp16["fsdp"].params, fp16["ddp"].params) <= 1e-6
+    assert _max_diff(fp16["fsdp"].params, ft.params_of(tiny_gpt(n_layer=2))) > 1e-4  # it trained
+
+
+def test_fsdp_x_tp_save_loads_on_one_process_and_onto_fsdp_x_tp_bitwise(four):
     path, ranks = four
-    loaded = ft.load(path)
     whole = ranks[0]["fsdp"]
-    for x, y in zip(ft.tree.leaves(loaded), ft.tree.leaves(whole)):
-        assert torch.equal(x, y)
+    for loaded in (ft.load(path), *(r["loaded"] for r in ranks)):
+        for x, y in zip(ft.tree.leaves(loaded), ft.tree.leaves(whole)):
+            assert torch.equal(x, y)
 
 
 def test_fsdp_over_dp_halves_the_bytes_of_each_rank(four):
