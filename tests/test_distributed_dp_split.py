@@ -83,11 +83,19 @@ def _four_ranks(path):
     out["loaded"] = ft.unshard_state(ft.load(path, like=laid["fsdp"]))  # onto fsdp x tp
     model = tiny_gpt(n_layer=2)
     tp = ft.tensor_parallel(model, gpt_plan(), ft.distributed.tp_mesh(2))
-    try:  # fsdp over every process instead of the dp dimension
-        ft.shard(tp(ft.train_step(lm_loss(model), ft.optim.sgd(0.1))), "fsdp")
-        out["wrong mesh"] = None
-    except ValueError as e:
-        out["wrong mesh"] = str(e)
+    state = tp.shard_state(ft.TrainState.create(ft.params_of(model), ft.optim.sgd(0.1)))
+    cases = {  # fsdp over every process instead of the dp dimension
+        "wrong mesh": lambda: ft.shard(
+            tp(ft.train_step(lm_loss(model), ft.optim.sgd(0.1))), "fsdp"
+        ),
+        "wrong state mesh": lambda: ft.shard_state(state, "fsdp"),
+    }
+    for name, make in cases.items():
+        try:
+            make()
+            out[name] = None
+        except ValueError as e:
+            out[name] = str(e)
     return out
 
 
@@ -144,7 +152,8 @@ def test_fsdp_over_dp_halves_the_bytes_of_each_rank(four):
         assert r["bytes"]["fsdp"] / r["bytes"]["ddp"] < 0.65
 
 
-def test_shard_over_another_mesh_than_dp_is_refused(four):
+def test_shard_and_shard_state_over_another_mesh_than_dp_are_refused(four):
     _, ranks = four
-    message = ranks[0]["wrong mesh"]
-    assert message is not None and "mesh=mesh['dp']" in message
+    for case in ("wrong mesh", "wrong state mesh"):
+        message = ranks[0][case]
+        assert message is not None and "mesh=mesh['dp']" in message, case

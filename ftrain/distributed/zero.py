@@ -181,6 +181,16 @@ def _shard_tp_state(state: TrainState, strategy: str, mesh) -> TrainState:
     (``ftrain.distributed.dp_split``), the others put back whole over ``dp``. Plain tensors (those
     tensor parallelism left whole: counters, statistics not shaped like a parameter) stay as
     they are."""
+    laid = next(t for t in tree.leaves(state.params) if dp_split.is_tp_laid(t))
+    dp = laid.device_mesh["dp"]
+    if sorted(mesh.mesh.flatten().tolist()) != sorted(dp.mesh.flatten().tolist()):
+        raise ValueError(
+            f"ft.shard_state(state, {strategy!r}, mesh=...): the state is laid out for tensor "
+            f"parallelism, so it is split over the 'dp' dimension of its mesh (ranks "
+            f"{sorted(dp.mesh.flatten().tolist())}), not over ranks "
+            f"{sorted(mesh.mesh.flatten().tolist())}. Fix: mesh=mesh['dp'] with the mesh of "
+            "ft.tensor_parallel."
+        )
     sharded = {"ddp": (), "zero1": ("opt_state",), "zero2": ("opt_state",)}.get(
         strategy, ("params", "opt_state", "extra")
     )
