@@ -3,14 +3,16 @@
 **Rule:** over ``dp``, a tensor-parallel DTensor (``ftrain.distributed.tp_layout``: ``Replicate()``
 over ``dp``) is split along the first dimension that ``tp`` does not split:
 
-==========================================  =====================  ===============================
-over ``tp``                                 over ``dp``            e.g. (GPT plan)
-==========================================  =====================  ===============================
-``Replicate()``, or ``Shard(d)`` with d > 0  ``Shard(0)``           embeddings, norms, ``c_proj``
-``Shard(0)`` or fused-block split of dim 0  ``Shard(1)``           ``fc.weight``, ``qkv.weight``
-  (two or more dimensions)
-the same, one dimension                     ``Replicate()``        ``fc.bias``, ``qkv.bias``
-==========================================  =====================  ===============================
+===============================================  ===============  =============================
+over ``tp``                                      over ``dp``      e.g. (GPT plan)
+===============================================  ===============  =============================
+``Replicate()``, or ``Shard(d)`` with d > 0      ``Shard(0)``     embeddings, norms,
+                                                                  ``attn.proj``, ``mlp.proj``
+``Shard(0)`` or a fused-block split of dim 0,    ``Shard(1)``     ``mlp.fc.weight``,
+two or more dimensions                                            ``attn.qkv.weight``
+the same, one dimension                          ``Replicate()``  ``mlp.fc.bias``,
+                                                                  ``attn.qkv.bias``
+===============================================  ===============  =============================
 
 So the two mesh dimensions never split the same tensor dimension: the placements stay DTensor's
 ordinary ones (gathers, norms and ``ft.unshard_state`` are DTensor's own, and a checkpoint
