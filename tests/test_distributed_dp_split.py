@@ -32,6 +32,8 @@ def _step(opt, compose, model):
 
 
 def _opt(compose):
+    if compose == "muon":  # Newton-Schulz on each whole matrix: gathered over dp and tp
+        return ft.optim.muon_adamw(0.02, 1e-3, weight_decay=0.1, mask=ft.optim.decay_mask)
     # sgd under bf16: adamw's update (about +-lr for any gradient) would amplify bf16 rounding of
     # a gradient that is zero up to rounding (the k-projection bias) into an lr-sized difference
     return ft.optim.sgd(0.1) if compose == "bf16" else ft.optim.adamw(1e-3)
@@ -78,6 +80,7 @@ def _four_ranks(path):
     out["zero2 fp32"] = _train("zero2", "fp32")
     out["fsdp bf16"] = _train("fsdp", "bf16")
     out["fp16"] = {s: _train(s, "fp16") for s in ("ddp", "fsdp")}
+    out["muon"] = {s: _train(s, "muon") for s in ("ddp", "fsdp")}
     laid = {s: _train(s, layout_only=True) for s in ("ddp", "fsdp")}
     out["bytes"] = {s: local_bytes(state) for s, state in laid.items()}
     out["loaded"] = ft.unshard_state(ft.load(path, like=laid["fsdp"]))  # onto fsdp x tp
@@ -136,6 +139,13 @@ def test_fp16_loss_scaling_under_fsdp_over_dp_equals_ddp_over_dp(four):
     fp16 = ranks[0]["fp16"]
     assert _max_diff(fp16["fsdp"].params, fp16["ddp"].params) <= 1e-6
     assert _max_diff(fp16["fsdp"].params, ft.params_of(tiny_gpt(n_layer=2))) > 1e-4  # it trained
+
+
+def test_muon_on_fsdp_over_dp_pieces_equals_muon_under_ddp_over_dp(four):
+    # the optimizers run on the pieces unchanged: Muon's matrices are gathered whole (DTensor)
+    _, ranks = four
+    muon = ranks[0]["muon"]
+    assert _max_diff(muon["fsdp"].params, muon["ddp"].params) <= 1e-6
 
 
 def test_fsdp_x_tp_save_loads_on_one_process_and_onto_fsdp_x_tp_bitwise(four):
