@@ -75,7 +75,7 @@ class TrainConfig:
     tp: int = _f(
         1,
         "tensor parallel under torchrun: each block's matrices split over TP processes, the batch "
-        "over world / TP groups of them (with --shard ddp)",
+        "over world / TP groups of them (--shard ddp/zero1/zero2/fsdp over those groups)",
     )
     sequence_parallel: bool = _f(
         False,
@@ -226,18 +226,17 @@ class TrainConfig:
                 f"--tp must be an int >= 1 (1 = no tensor parallelism), got {self.tp!r}"
             )
         refused = {
-            "shard": self.shard in ("zero1", "zero2", "fsdp"),
             "compile": self.compile,
             "lora-rank": bool(self.lora_rank),
             "memory-budget": self.memory_budget is not None,
         }
         for flag, bad in refused.items():
             if bad:
-                value = f" {self.shard}" if flag == "shard" else ""
                 raise ValueError(
-                    f"--tp {self.tp} cannot be combined with --{flag}{value} (tensor parallelism "
-                    "composes with --shard ddp over the data-parallel groups, accumulation, "
-                    f"checkpointing and precision); use --shard ddp --tp {self.tp} without --{flag}"
+                    f"--tp {self.tp} cannot be combined with --{flag} (tensor parallelism "
+                    "composes with --shard ddp/zero1/zero2/fsdp over the data-parallel groups, "
+                    f"accumulation, checkpointing and precision); use --tp {self.tp} without "
+                    f"--{flag}"
                 )
 
     def to_dict(self) -> dict[str, Any]:

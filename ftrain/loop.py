@@ -69,8 +69,10 @@ def train(cfg: TrainConfig, *, sinks: Sequence[Sink] = ()) -> dict[str, Any]:
     run = _Run(cfg, rank, world, out, recipe)
     state = recipe.state
     tp = next((t for t in recipe.step.transforms if isinstance(t, TensorParallel)), None)
-    if tp is not None:  # whole tensors -> this process's pieces (replicated over the dp groups)
+    if tp is not None:  # whole tensors -> this process's pieces, then split over the dp groups
         state = tp.shard_state(state)
+        if cfg.shard not in ("none", "ddp"):
+            state = shard_state(state, cfg.shard, mesh=tp.mesh["dp"])
     elif cfg.shard != "none":
         state = shard_state(state, cfg.shard)  # whole tensors -> this process's layout
     state, start = _restore(run, state)  # each process reads only what it keeps

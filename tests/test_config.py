@@ -74,7 +74,6 @@ def test_config_float_accepts_an_int(tmp_path):
     "flags, message",
     [
         (["--tp", "0"], "--tp must be an int >= 1"),
-        (["--tp", "2", "--shard", "fsdp"], "--tp 2 cannot be combined with --shard fsdp"),
         (["--tp", "2", "--compile"], "--tp 2 cannot be combined with --compile"),
         (["--tp", "2", "--lora-rank", "4"], "--tp 2 cannot be combined with --lora-rank"),
         (["--sequence-parallel"], "--sequence-parallel splits the sequence over the --tp"),
@@ -86,3 +85,14 @@ def test_tp_flags_that_do_not_compose_are_usage_errors(flags, message, capsys):
         main(["train", *flags])
     assert e.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "fsdp"])
+def test_tp_composes_with_every_shard_strategy(strategy):
+    """--tp with --shard zero1/zero2/fsdp (over the data-parallel groups) was refused before
+    ft.shard could split a tensor-parallel state over dp; now every strategy is accepted."""
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    cfg = from_args(p.parse_args(["--tp", "2", "--shard", strategy]))
+    cfg.validate()  # raises ValueError for a combination that is refused
+    assert (cfg.tp, cfg.shard) == (2, strategy)

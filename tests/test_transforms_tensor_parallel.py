@@ -153,7 +153,8 @@ def _errors():
         "heads": lambda: ft.tensor_parallel(tiny_gpt(n_head=1), gpt_plan(), mesh),
         "tp size": lambda: ft.distributed.tp_mesh(3),
         "no mesh": lambda: ft.tensor_parallel(model, gpt_plan(), "tp"),
-        "zero1": lambda: ft.shard(tp(step), "zero1"),
+        "zero1": lambda: ft.shard(tp(step), "zero1"),  # over every process, not mesh["dp"]
+        "zero1 over dp": lambda: ft.shard(tp(step), "zero1", mesh=mesh["dp"]),  # accepted
         "compile": lambda: ft.compile(tp(step)),
         "state": lambda: tp(step)(state, lm_batch(2)),  # not laid out by tp.shard_state
     }
@@ -227,7 +228,8 @@ def test_bad_input_is_a_clear_error_when_the_step_is_built(two, four):
     assert "n_head = 1 is not divisible by tp=2" in errors["heads"]
     assert "tp=3 must be an int that divides the 2 processes" in errors["tp size"]
     assert "dimension named 'tp'" in errors["no mesh"]
-    assert "only 'ddp'" in errors["zero1"]
+    assert "ft.shard(step, 'zero1', mesh=mesh['dp'])" in errors["zero1"]
+    assert errors["zero1 over dp"] is None
     assert "torch.compile" in errors["compile"]
     assert "tp.shard_state(state)" in errors["state"]
     assert "has 2 processes but the world has 4" in four[1][0]["small mesh"]

@@ -16,6 +16,10 @@ Everything a gather needs during backward (the session, the plan, the trackers) 
 the forward: backward, and the recompute of a checkpointed block, may run on autograd's worker
 threads, which see no scoped value.
 
+Under tensor parallelism the params are DTensors on the ``("dp", "tp")`` mesh, split over ``dp``
+as ``ftrain.distributed.dp_split`` says; a gather then gives this process's ``tp`` piece (what
+the tensor-parallel forward computes with), and its gradient is reduce-scattered back over ``dp``.
+
 So the parameter memory of a process is its shard plus about one block at a time
 (:func:`track_gathered` measures it).
 """
@@ -30,8 +34,8 @@ import torch
 from torch import nn
 
 from ftrain.blocks import find_blocks, replace_forwards
-from ftrain.distributed.collectives import gather_leaves, reduce_scatter_leaves
-from ftrain.distributed.dtensor import dtensor, from_local, is_dtensor
+from ftrain.distributed import dp_split
+from ftrain.distributed.dtensor import is_dtensor
 from ftrain.modules import param_slots
 from ftrain.scoped import Scoped
 from ftrain.step.engine import BackwardPlan, backward_plan
@@ -98,7 +102,7 @@ class _Gathered:
         self.again: list[torch.Tensor] | None = None  # re-gathered for backward, then dropped
 
     def gather(self) -> list[torch.Tensor]:
-        whole = gather_leaves(self.shards, self.mesh)
+        whole = dp_split.gather_pieces(self.shards, self.mesh)
         for tracker in self.trackers:
             for w in whole:
                 tracker.add(w)
@@ -126,13 +130,14 @@ class _GatherFn(torch.autograd.Function):
         g: _Gathered = ctx.gathered
         g.again = None  # the block's backward is over: drop what it re-gathered
         grads = [
-            gr if gr is not None else torch.zeros(s.shape, dtype=s.dtype, device=s.device)
+            gr
+            if gr is not None
+            else torch.zeros(dp_split.piece_shape(s), dtype=s.dtype, device=s.device)
             for gr, s in zip(grads, g.shards)
         ]
         if g.plan is not None and g.plan.reweight:  # reduced by the step, after reweighting
-            partial = (dtensor().Partial(),)
-            return (None, *(from_local(x, g.mesh, partial, x.shape, x.stride()) for x in grads))
-        return (None, *reduce_scatter_leaves(grads, g.mesh))
+            return (None, *(dp_split.unreduced(x, s, g.mesh) for x, s in zip(grads, g.shards)))
+        return (None, *dp_split.reduce_scatter(grads, g.shards, g.mesh))
 
 
 class _Regather:
@@ -169,7 +174,7 @@ class _Session:
         order: dict[int, int] = {}
         shards = []
         for t in current:
-            if is_dtensor(t) and id(t) not in order:
+            if dp_split.fsdp_gathers(t, self.mesh) and id(t) not in order:
                 order[id(t)] = len(shards)
                 shards.append(t)
         if not shards:

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ftrain.blocks import MakeForward, replace_forwards
+from ftrain.distributed.dp_split import split_over_dp
 from ftrain.distributed.dtensor import is_dtensor
 from ftrain.distributed.plans import (
     Colwise,
@@ -94,7 +95,8 @@ def _divided(values: dict):
 def _local_pieces(slots: list[tuple[dict, str]]) -> Iterator[None]:
     current = [table[name] for table, name in slots]
     for (table, name), t in zip(slots, current):
-        if is_dtensor(t):
+        # one split over dp too (fsdp) is left to fsdp's gather, which runs when its block does
+        if is_dtensor(t) and not split_over_dp(t):
             table[name] = t.to_local()  # a view; its backward gives the DTensor's gradient
     try:
         yield

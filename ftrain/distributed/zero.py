@@ -25,7 +25,8 @@ import torch.distributed as dist
 from tensordict import TensorDictBase
 
 from ftrain import tree
-from ftrain.distributed.collectives import as_sharded, gather_leaves
+from ftrain.distributed import dp_split
+from ftrain.distributed.collectives import gather_leaves
 from ftrain.distributed.dtensor import is_dtensor, local, on_shards
 from ftrain.distributed.launch import check_mesh, require_group
 from ftrain.optim.base import GradientTransformation
@@ -100,10 +101,12 @@ def local_bytes(td: TensorDictBase | TrainState) -> int:
 
 
 def shard_tree(td: TensorDictBase, mesh, *, copy: bool) -> TensorDictBase:
-    """Every leaf with one or more dimensions as a ``Shard(0)`` DTensor; 0-d leaves stay plain."""
+    """Every leaf with one or more dimensions as a ``Shard(0)`` DTensor over ``mesh`` (a
+    tensor-parallel one split over ``dp`` as ``ftrain.distributed.dp_split`` says); 0-d leaves
+    stay plain."""
     leaves = tree.leaves(td)
     return tree.unflatten(
-        td, [as_sharded(t, mesh, copy=copy) if t.dim() > 0 else t for t in leaves]
+        td, [dp_split.split(t, mesh, copy=copy) if t.dim() > 0 else t for t in leaves]
     )
 
 
@@ -140,6 +143,10 @@ def shard_state(state: TrainState, strategy: str = "ddp", mesh: Any = None) -> T
     one loaded from a checkpoint); this is checked (one small collective). No other traffic: each
     process copies out its own rows, so the whole tensors can be freed afterwards. A state that is
     already sharded is re-laid out (gathered first if needed), so ``shard_state`` is idempotent.
+
+    A tensor-parallel state (``tp.shard_state(state)``) is laid out over ``mesh``, the ``dp``
+    dimension of its mesh: its pieces are split again over ``dp`` (``ftrain.distributed.dp_split``),
+    the same fields as above.
     """
     strategy = check_strategy(strategy, "shard_state")
     require_group("shard_state")
@@ -149,6 +156,8 @@ def shard_state(state: TrainState, strategy: str = "ddp", mesh: Any = None) -> T
             f"ft.shard_state(state, ...): expected an ft.TrainState, got {type(state).__name__}."
         )
     _check_device(state, mesh)
+    if any(dp_split.is_tp_laid(t) for t in tree.leaves(state.params)):
+        return _shard_tp_state(state, strategy, mesh)
     if strategy != "fsdp" and any(is_dtensor(t) for t in tree.leaves(state.params)):
         state = state.replace(params=unshard(state.params), extra=unshard(state.extra))
     if strategy == "ddp" and any(is_dtensor(t) for t in tree.leaves(state.opt_state)):
@@ -166,6 +175,37 @@ def shard_state(state: TrainState, strategy: str = "ddp", mesh: Any = None) -> T
     )
 
 
+def _shard_tp_state(state: TrainState, strategy: str, mesh) -> TrainState:
+    """A tensor-parallel state (``tp.shard_state``) laid out over ``mesh``, its ``dp`` dimension:
+    each tensor-parallel DTensor of the fields the strategy shards is split over ``dp``
+    (``ftrain.distributed.dp_split``), the others put back whole over ``dp``. Plain tensors (those
+    tensor parallelism left whole: counters, statistics not shaped like a parameter) stay as
+    they are."""
+    laid = next(t for t in tree.leaves(state.params) if dp_split.is_tp_laid(t))
+    dp = laid.device_mesh["dp"]
+    if sorted(mesh.mesh.flatten().tolist()) != sorted(dp.mesh.flatten().tolist()):
+        raise ValueError(
+            f"ft.shard_state(state, {strategy!r}, mesh=...): the state is laid out for tensor "
+            f"parallelism, so it is split over the 'dp' dimension of its mesh (ranks "
+            f"{sorted(dp.mesh.flatten().tolist())}), not over ranks "
+            f"{sorted(mesh.mesh.flatten().tolist())}. Fix: mesh=mesh['dp'] with the mesh of "
+            "ft.tensor_parallel."
+        )
+    sharded = {"ddp": (), "zero1": ("opt_state",), "zero2": ("opt_state",)}.get(
+        strategy, ("params", "opt_state", "extra")
+    )
+    out = {}
+    for field in ("params", "opt_state", "extra"):
+        td = getattr(state, field)
+        leaves = tree.leaves(td)
+        tp = [i for i, t in enumerate(leaves) if dp_split.is_tp_laid(t)]
+        whole = dp_split.unsplit([leaves[i] for i in tp], mesh)  # a no-op where not split
+        for i, t in zip(tp, whole):
+            leaves[i] = dp_split.split(t, mesh, copy=True) if field in sharded else t
+        out[field] = tree.unflatten(td, leaves)
+    return state.replace(**out)
+
+
 def _check_device(state: TrainState, mesh) -> None:
     for t in tree.leaves(state.params)[:1]:
         if t.device.type != mesh.device_type:
@@ -178,23 +218,22 @@ def _check_device(state: TrainState, mesh) -> None:
 
 
 def zero_optimizer(inner: GradientTransformation, mesh) -> GradientTransformation:
-    """zero1/zero2: ``inner`` run on this rank's rows: params and grads enter as ``Shard(0)`` DTensors (views,
-    no traffic), the sharded state stays sharded, the updates are all-gathered whole."""
+    """zero1/zero2: ``inner`` run on this rank's share: params and grads enter as DTensors split
+    over ``mesh`` (``Shard(0)`` rows, or under tensor parallelism ``ftrain.distributed.dp_split``'s
+    rule; views, no traffic), the sharded state stays sharded, the updates are all-gathered back
+    to the params' layout."""
     inner = on_shards(inner)
+
+    def split(td):
+        return tree.unflatten(td, [dp_split.split(x, mesh, copy=False) for x in tree.leaves(td)])
 
     def init(params):
         return inner.init(shard_tree(params, mesh, copy=False))
 
     def update(updates, state, params=None, *, inplace=False):
-        u = [as_sharded(x, mesh, copy=False) for x in tree.leaves(updates)]
-        u_td = tree.unflatten(updates, u)
-        p_td = None
-        if params is not None:
-            p_td = tree.unflatten(
-                params, [as_sharded(x, mesh, copy=False) for x in tree.leaves(params)]
-            )
-        new_u, new_state = inner.update(u_td, state, p_td, inplace=inplace)
-        whole = gather_leaves([as_sharded(x, mesh, copy=False) for x in tree.leaves(new_u)], mesh)
-        return tree.unflatten(updates, whole), new_state
+        p_td = split(params) if params is not None else None
+        new_u, new_state = inner.update(split(updates), state, p_td, inplace=inplace)
+        u = [dp_split.split(x, mesh, copy=False) for x in tree.leaves(new_u)]
+        return tree.unflatten(updates, dp_split.unsplit(u, mesh)), new_state
 
     return GradientTransformation(init, update)

@@ -289,11 +289,11 @@ def build_step(
         step = ft.checkpoint(step, cfg.checkpoint_policy)
     if cfg.micro_batches > 1:
         step = ft.accumulate(step, cfg.micro_batches)
-    if cfg.tp > 1:  # the matrices over tp processes, the batch over the dp groups (ddp)
-        mesh = ft.distributed.tp_mesh(cfg.tp)
+    if cfg.tp > 1:  # the matrices over tp processes, the batch (and with zero/fsdp the state)
+        mesh = ft.distributed.tp_mesh(cfg.tp)  # over the dp groups
         sp = cfg.sequence_parallel
         step = ft.tensor_parallel(model, plan_for(model), mesh, sequence_parallel=sp)(step)
-        step = ft.shard(step, "ddp", mesh=mesh["dp"])
+        step = ft.shard(step, cfg.shard if cfg.shard != "none" else "ddp", mesh=mesh["dp"])
     elif cfg.shard != "none":
         step = ft.shard(step, cfg.shard)
     if cfg.compile:

@@ -26,6 +26,13 @@ Composition:
 * ``ft.compile`` works for ``ddp``, ``zero1`` and ``zero2`` (the collectives and DTensor break the
   graph). It is refused for ``fsdp`` when the step is built, in either order: dynamo cannot trace
   the per-block gathering (saved-tensor hooks, gathers during backward).
+* ``ft.tensor_parallel`` on a ``("dp", "tp")`` mesh: ``ft.shard(step, strategy, mesh=mesh["dp"])``
+  with any strategy, inside or outside ``tp(...)``, on a state laid out by
+  ``ft.shard_state(tp.shard_state(state), strategy, mesh=mesh["dp"])``. Each tp piece is split
+  again over ``dp`` along a dimension tensor parallelism does not split
+  (``ftrain.distributed.dp_split``), so ``fsdp`` gathers exactly the piece the tensor-parallel
+  forward computes with; a tp piece too small to split (a column-parallel bias) stays whole over
+  ``dp`` and its gradient is all-reduced.
 * The model must be called through ``ft.apply`` inside the loss (``fsdp`` gathers there).
 * Randomness: each process folds its rank into the step's random stream, so dropout masks differ
   between ranks (as they would between the rows of one big batch), and a sharded run with dropout
@@ -43,8 +50,8 @@ import torch
 import torch.distributed as dist
 
 from ftrain import rng, tree
-from ftrain.distributed import fsdp
-from ftrain.distributed.collectives import all_reduce_flat, reduce_scatter_leaves
+from ftrain.distributed import dp_split, fsdp
+from ftrain.distributed.collectives import all_reduce_flat
 from ftrain.distributed.dtensor import is_dtensor, like, local, on_shards
 from ftrain.distributed.launch import check_mesh, is_initialized, require_group
 from ftrain.distributed.zero import check_strategy, zero_optimizer
@@ -113,8 +120,8 @@ class Shard(Transform):
         fsdp state would otherwise train each rank on its own, silently)."""
         params = tree.leaves(state.params)
         opt = [t for t in tree.leaves(state.opt_state) if t.dim() > 0]
-        if (params and self._sharded(params[0]) != (self.strategy == "fsdp")) or (
-            opt and self._sharded(opt[0]) != (self.strategy != "ddp")
+        if (params and self._sharded(params) != (self.strategy == "fsdp")) or (
+            opt and self._sharded(opt) != (self.strategy != "ddp")
         ):
             raise ValueError(
                 f"ft.shard(step, {self.strategy!r}) got a state laid out for another strategy (or "
@@ -122,9 +129,9 @@ class Shard(Transform):
                 "creating or loading it."
             )
 
-    def _sharded(self, t) -> bool:
-        # laid out over this mesh (a tensor-parallel DTensor lives on a mesh of its own)
-        return is_dtensor(t) and t.device_mesh == self.mesh
+    def _sharded(self, leaves) -> bool:
+        # split over this mesh: a DTensor on it, or a tensor-parallel one split over its "dp"
+        return any(dp_split.is_split(t, self.mesh) for t in leaves)
 
     # -- forward ------------------------------------------------------------------------------
     def around_forward(self, params):
@@ -147,15 +154,18 @@ class Shard(Transform):
         sums = sums.clone()
         dist.all_reduce(sums, group=group)
         if self.strategy == "zero2":  # each rank keeps the sums of its own rows
-            return reduce_scatter_leaves(grads, self.mesh), sums
-        # fsdp: reduce-scattered in backward, except those left local for reweighting
-        partial = [i for i, g in enumerate(grads) if g.placements[0].is_partial()]
+            plain = [local(g) if is_dtensor(g) else g for g in grads]
+            return dp_split.reduce_scatter(plain, grads, self.mesh), sums
+        # fsdp: reduce-scattered in backward, except those left local for reweighting; and under
+        # tensor parallelism those whole over dp (fsdp does not gather them) are all-reduced here
+        out = dp_split.all_reduce_whole(grads, self.mesh)
+        partial = [i for i, g in enumerate(grads) if dp_split.is_unreduced(g)]
         if not partial:
-            return grads, sums
-        out = list(grads)
-        for i, g in zip(
-            partial, reduce_scatter_leaves([local(grads[i]) for i in partial], self.mesh)
-        ):
+            return out, sums
+        reduced = dp_split.reduce_scatter(
+            [local(grads[i]) for i in partial], [grads[i] for i in partial], self.mesh
+        )
+        for i, g in zip(partial, reduced):
             out[i] = g
         return out, sums
 
@@ -176,7 +186,8 @@ def shard(step: Step, strategy: str = "ddp", mesh: Any = None) -> Step:
         step: an ``ft.Step`` (``accumulate``, ``checkpoint`` and ``autocast`` may come before or
             after; ``compile`` after, except for ``fsdp``).
         strategy: ``"ddp"``, ``"zero1"``, ``"zero2"`` or ``"fsdp"``.
-        mesh: a 1-D ``DeviceMesh``; default ``ft.distributed.default_mesh()``.
+        mesh: a 1-D ``DeviceMesh``; default ``ft.distributed.default_mesh()``. Under
+            ``ft.tensor_parallel``: ``mesh["dp"]`` of its mesh.
 
     **Invariant:** N processes each given 1/N of the batch (any split, any padding) give the same
     state as one process given the whole batch: fp32, 1e-5 relative after several steps, for every

@@ -11,9 +11,13 @@ How it is laid out (``ftrain.distributed.tp_layout``), how the forward runs on t
 
 Composition:
 
-* ``ft.shard(step, "ddp", mesh=mesh["dp"])`` splits the batch over the ``dp`` dimension of the
-  same mesh (a 2-D ``("dp", "tp")`` run); ``zero1``/``zero2``/``fsdp`` over ``dp`` under tensor
-  parallelism are refused when the step is built.
+* ``ft.shard(step, strategy, mesh=mesh["dp"])`` splits the batch over the ``dp`` dimension of
+  the same mesh (a 2-D ``("dp", "tp")`` run), with any strategy: ``ddp``; ``zero1``/``zero2``
+  split the optimizer state (and grads) over ``dp`` too, ``fsdp`` the params as well
+  (``state = ft.shard_state(tp.shard_state(state), "fsdp", mesh=mesh["dp"])``). Each piece is
+  split again over ``dp`` along a dimension tensor parallelism does not split
+  (``ftrain.distributed.dp_split``), so fsdp's gather gives the ``tp`` piece the forward needs.
+  Either order of wrapping, ``ft.shard(tp(step), ...)`` or ``tp(ft.shard(step, ...))``.
 * ``ft.accumulate``, ``ft.checkpoint`` (a recomputed block runs its collectives again) and
   ``ft.autocast`` compose in any order; ``ft.compile`` is refused (collectives and DTensor).
 * The optimizers of ``ftrain.optim`` run on the pieces unchanged (DTensor makes their norms global).
@@ -131,18 +135,14 @@ class TensorParallel(Transform):
         for t in (*inner, *outer):
             if t.name != "shard":
                 continue
-            if t.strategy != "ddp":
-                raise ValueError(
-                    f"ft.tensor_parallel with ft.shard(step, {t.strategy!r}): only 'ddp' over the "
-                    "'dp' dimension composes with tensor parallelism here; use "
-                    "ft.shard(step, 'ddp', mesh=mesh['dp'])."
-                )
             ranks = sorted(t.mesh.mesh.flatten().tolist())
             if dp is None or ranks != sorted(dp.mesh.flatten().tolist()):
+                s = t.strategy
                 raise ValueError(
-                    "ft.shard(step, 'ddp', mesh=...) under ft.tensor_parallel must split the batch "
-                    f"over the mesh's 'dp' dimension (ranks {ranks} given). Fix: "
-                    "ft.shard(step, 'ddp', mesh=mesh['dp']) with the mesh of ft.tensor_parallel."
+                    f"ft.shard(step, {s!r}, mesh=...) under ft.tensor_parallel must split the "
+                    f"batch over the mesh's 'dp' dimension (ranks {ranks} given). "
+                    f"Fix: ft.shard(step, {s!r}, mesh=mesh['dp']) with the mesh of "
+                    "ft.tensor_parallel."
                 )
 
     def compile_refusal(self) -> str | None:
@@ -191,6 +191,8 @@ def tensor_parallel(
         tp = ft.tensor_parallel(model, gpt_plan(), mesh)
         step = ft.shard(tp(step), "ddp", mesh=mesh["dp"])  # or tp(step) alone when dp = 1
         state = tp.shard_state(state)
+        # zero1 / zero2 / fsdp over dp: the same, and the state split over dp after tp's layout
+        state = ft.shard_state(state, "fsdp", mesh=mesh["dp"])  # with ft.shard(..., "fsdp", ...)
 
     Args:
         model: the module the loss calls through ``ft.apply`` (it is never modified).
@@ -212,14 +214,15 @@ def tensor_parallel(
     ``ft.distributed.vocab_parallel_cross_entropy(logits, targets, tp.group)``.
 
     **Invariant:** equals one process holding the whole params (fp32: 1e-5 after several steps,
-    any optimizer of ``ftrain.optim``), also on a 2-D mesh under ``ft.shard(..., "ddp")`` and
-    with ``accumulate``/``checkpoint``/``autocast``; with ``sequence_parallel`` too (the norms'
-    params included), and with the vocabulary-parallel loss.
+    any optimizer of ``ftrain.optim``), also on a 2-D mesh under ``ft.shard`` over ``dp`` (ddp,
+    zero1, zero2, fsdp) and with ``accumulate``/``checkpoint``/``autocast``; with
+    ``sequence_parallel`` too (the norms' params included), and with the vocabulary-parallel loss.
 
     Raises when built: no process group, a mesh without ``"tp"`` or not over every process, a
     pattern that names no module, a split dimension (or divided head count) not divisible by the
-    tp size, ``shard`` with another strategy or mesh, ``compile``; with ``sequence_parallel``: a
-    plan without ``SequenceParallel()`` (``hf_llama_plan``). At the first call: a state that ``shard_state`` did not lay out; with
-    ``sequence_parallel``, a sequence length not divisible by the tp size.
+    tp size, ``shard`` over another mesh than ``mesh["dp"]``, ``compile``; with
+    ``sequence_parallel``: a plan without ``SequenceParallel()`` (``hf_llama_plan``). At the first
+    call: a state that ``shard_state`` did not lay out; with ``sequence_parallel``, a sequence
+    length not divisible by the tp size.
     """
     return TensorParallel(model, plan, mesh, sequence_parallel)
