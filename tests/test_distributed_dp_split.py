@@ -1,8 +1,8 @@
 """zero1/zero2/fsdp over the ``dp`` dimension under tensor parallelism (``dp_split``).
 
 One spawn of 4 gloo ranks (2 dp x 2 tp) trains a tiny GPT with each strategy, composed with
-accumulate + checkpoint (fsdp also with sequence parallelism) and with bf16 autocast, saves an fsdp x tp state, measures bytes per rank
-and collects the build-time error for a wrong mesh. Each rank returns whole (unsharded) states,
+accumulate + checkpoint (fsdp also with sequence parallelism) and with bf16 autocast, saves an
+fsdp x tp state, measures bytes per rank and collects the build-time error for a wrong mesh. Each rank returns whole (unsharded) states,
 compared here against one process given the whole batch.
 """
 
