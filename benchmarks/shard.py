@@ -4,6 +4,7 @@ tensor parallelism (``ft.tensor_parallel`` with tp = 2: each rank holds half of 
 
     python benchmarks/shard.py            # about 3 minutes on a 2-core CPU; writes RESULTS.md
     python benchmarks/shard.py --quick    # a smoke run at a tiny size, nothing written
+    python benchmarks/shard.py --mesh2d   # 4 processes, 2 (dp) x 2 (tp): each strategy over dp
 
 Model: ftrain's GPT (d=128, 4 blocks, seq 128), 8 rows per rank (16 in all), AdamW. Each of the
 two processes runs with one torch thread (two processes share the two cores).
@@ -36,6 +37,7 @@ from ftrain.models import GPT, GPTConfig
 from ftrain.transforms import shard
 
 SECTION = "Shard"
+SECTION_2D = "Shard on a 2-D mesh"
 
 
 def _bytes(tensors) -> int:
@@ -169,6 +171,12 @@ def _on_rank(cfg: GPTConfig, rows: int, rounds: int) -> dict:
         whole = sum(p.numel() * p.element_size() for p in deep.parameters())
         sweep.append((n_layer, whole, local_bytes(state.params), t.peak))
 
+    return {"sweep": sweep, "memory": memory, **_time_rounds(runs, rounds)}
+
+
+def _time_rounds(runs: dict, rounds: int) -> dict:
+    """Median wall and CPU seconds of each run on this rank: every run once per round, the order
+    rotating, a barrier before each (ranks move in lockstep through their collectives)."""
     wall = {k: [] for k in runs}
     cpu = {k: [] for k in runs}
     names = list(runs)
@@ -181,11 +189,77 @@ def _on_rank(cfg: GPTConfig, rows: int, rounds: int) -> dict:
             wall[k].append(time.perf_counter() - w)
             cpu[k].append(time.process_time() - c)
     return {
-        "sweep": sweep,
-        "memory": memory,
         "wall": {k: statistics.median(v) for k, v in wall.items()},
         "cpu": {k: statistics.median(v) for k, v in cpu.items()},
     }
+
+
+MESH_2D = ["ddp", "zero1", "zero2", "fsdp", "fsdp+sp"]
+
+
+def _on_rank_2d(cfg: GPTConfig, rows: int, rounds: int) -> dict:
+    """Runs on each of four processes, a 2 (dp) x 2 (tp) mesh: tensor parallelism over tp and
+    each strategy over dp (``fsdp+sp``: with sequence parallelism), interleaved."""
+    torch.set_num_threads(1)
+    mesh = ft.distributed.tp_mesh(2)
+    dp = mesh["dp"]
+    torch.manual_seed(0)
+    template = GPT(cfg)
+    g = torch.Generator().manual_seed(dp.get_local_rank())  # the tp ranks of a group share rows
+    x = torch.randint(0, cfg.vocab_size, (rows, cfg.seq_len), generator=g)
+    batch = {"input": x, "target": torch.roll(x, -1, dims=1)}
+
+    def loss_fn(params, b):
+        return ft.losses.cross_entropy(ft.apply(template, params, b["input"]), b["target"])
+
+    runs, memory = {}, {}
+    for name in MESH_2D:
+        strategy = name.split("+")[0]
+        opt = ft.optim.adamw(1e-3)
+        tp = ft.tensor_parallel(
+            template, ft.distributed.gpt_plan(), mesh, sequence_parallel=name.endswith("sp")
+        )
+        step = ft.shard(tp(ft.train_step(loss_fn, opt, donate=True)), strategy, mesh=dp)
+        state = tp.shard_state(ft.TrainState.create(ft.params_of(template), opt))
+        box = [ft.shard_state(state, strategy, mesh=dp)]
+
+        def run(step=step, box=box):
+            box[0], metrics = step(box[0], batch)
+            float(metrics["loss"])
+
+        run()
+        memory[name] = {"params": local_bytes(box[0].params), "opt": local_bytes(box[0].opt_state)}
+        runs[name] = run
+    return {"memory": memory, **_time_rounds(runs, rounds)}
+
+
+def report_2d(results: list[dict], setup: str, whole: int) -> str:
+    r0 = results[0]
+    wall, cpu, mib = r0["wall"], r0["cpu"], 1 << 20
+    lines = [
+        setup,
+        "",
+        "| over dp | params MiB | optimizer MiB | / ddp (params + optimizer) | step ms (wall) "
+        "| / ddp | step ms (CPU) | / ddp |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    ddp = r0["memory"]["ddp"]
+    for name, m in r0["memory"].items():
+        kept = (m["params"] + m["opt"]) / (ddp["params"] + ddp["opt"])
+        lines.append(
+            f"| {name} | {m['params'] / mib:.2f} | {m['opt'] / mib:.2f} | {kept:.2f} "
+            f"| {wall[name] * 1e3:.0f} | {wall[name] / wall['ddp']:.2f} "
+            f"| {cpu[name] * 1e3:.0f} | {cpu[name] / cpu['ddp']:.2f} |"
+        )
+    lines += [
+        "",
+        f"Whole params {whole / mib:.2f} MiB. Every row is tensor parallel over tp (each rank "
+        "holds half of every block matrix); zero1/zero2 split the optimizer state over dp too, "
+        "fsdp the params as well, each piece along a dimension tp does not split "
+        "(`ftrain.distributed.dp_split`). Four processes share the two cores, so the CPU "
+        "column is the one to judge.",
+    ]
+    return "\n".join(lines)
 
 
 def _is_split(t) -> bool:
@@ -279,12 +353,17 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny sizes; print, write nothing")
     p.add_argument("--rounds", type=int, default=15)
+    p.add_argument(
+        "--mesh2d", action="store_true", help="4 processes, 2 (dp) x 2 (tp): strategies over dp"
+    )
     args = p.parse_args()
     if args.quick:
         cfg, rows, rounds = GPTConfig(seq_len=16, d_model=32, n_layer=2, n_head=2), 2, 3
     else:
         cfg, rows, rounds = GPTConfig(seq_len=128, d_model=128, n_layer=4, n_head=4), 8, args.rounds
     load = os.getloadavg()[0]
+    if args.mesh2d:
+        return _main_2d(cfg, rows, rounds, args.quick, load)
     results = run_distributed(_on_rank, 2, cfg, rows, rounds, timeout=3600)
     whole = sum(p.numel() for p in GPT(cfg).parameters()) * 4
     block = sum(p.numel() for p in GPT(cfg).blocks[0].parameters()) * 4
@@ -306,6 +385,26 @@ def main() -> None:
         from _common import write_section
 
         write_section(SECTION, text)
+
+
+def _main_2d(cfg: GPTConfig, rows: int, rounds: int, quick: bool, load: float) -> None:
+    results = run_distributed(_on_rank_2d, 4, cfg, rows, rounds, timeout=3600)
+    whole = sum(p.numel() for p in GPT(cfg).parameters()) * 4
+    from _common import machine
+
+    setup = (
+        f"`python benchmarks/shard.py --mesh2d` on {machine()}; 4 processes (gloo) on a 2 (dp) x "
+        f"2 (tp) mesh, 1 torch thread each. GPT d={cfg.d_model}, {cfg.n_layer} blocks, seq "
+        f"{cfg.seq_len}, {rows} rows per dp group, AdamW; median of {rounds} interleaved rounds, "
+        f"rank 0. Load average {load:.1f} at the start and {os.getloadavg()[0]:.1f} at the end. "
+        "Bytes of tensors per rank kept between steps."
+    )
+    text = report_2d(results, setup, whole)
+    print(text)
+    if not quick:
+        from _common import write_section
+
+        write_section(SECTION_2D, text)
 
 
 if __name__ == "__main__":

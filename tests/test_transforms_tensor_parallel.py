@@ -158,6 +158,11 @@ def _errors():
         "compile": lambda: ft.compile(tp(step)),
         "state": lambda: tp(step)(state, lm_batch(2)),  # not laid out by tp.shard_state
     }
+    return _messages(cases)
+
+
+def _messages(cases):
+    """Each case's error as "Type: message", or None where it built without one."""
     out = {}
     for name, make in cases.items():
         try:
@@ -247,14 +252,7 @@ def _sp_errors():
         "flag": lambda: ft.tensor_parallel(model, gpt_plan(), mesh, sequence_parallel="yes"),
         "length": lambda: tp(step)(tp.shard_state(state), odd),
     }
-    out = {}
-    for name, make in cases.items():
-        try:
-            make()
-            out[name] = None
-        except Exception as e:  # noqa: BLE001 - the message is what is checked
-            out[name] = f"{type(e).__name__}: {e}"
-    return out
+    return _messages(cases)
 
 
 def _sp_bytes():
