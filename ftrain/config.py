@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 import typing
 from pathlib import Path
@@ -213,6 +214,15 @@ class TrainConfig:
                 f"--model-dir {self.model_dir!r} is not a directory; pass the folder that "
                 "model.save_pretrained(folder) and tokenizer.save_pretrained(folder) wrote"
             )
+        if self.sequence_parallel and self.model_dir is not None:
+            kind = _model_type(self.model_dir)
+            if kind != "gpt2":
+                raise ValueError(
+                    f"--sequence-parallel runs ftrain's GPT or a Hugging Face GPT-2; --model-dir "
+                    f"holds model_type {kind!r} (Llama's attention reshapes by its input's "
+                    "length, so its blocks cannot run on sequence slices). Drop "
+                    "--sequence-parallel (--tp alone works)."
+                )
         from ftrain.optim import OPTIMIZERS
 
         if self.optimizer not in OPTIMIZERS:
@@ -229,6 +239,7 @@ class TrainConfig:
             "compile": self.compile,
             "lora-rank": bool(self.lora_rank),
             "memory-budget": self.memory_budget is not None,
+            "optimizer adamw8bit": self.optimizer == "adamw8bit",  # codes of whole tensors
         }
         for flag, bad in refused.items():
             if bad:
@@ -241,6 +252,14 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _model_type(model_dir: str) -> str | None:
+    """The ``model_type`` in ``model_dir``'s ``config.json`` (None if it has none)."""
+    try:
+        return json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return None
 
 
 def flag_name(name: str) -> str:

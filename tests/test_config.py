@@ -78,6 +78,10 @@ def test_config_float_accepts_an_int(tmp_path):
         (["--tp", "2", "--lora-rank", "4"], "--tp 2 cannot be combined with --lora-rank"),
         (["--sequence-parallel"], "--sequence-parallel splits the sequence over the --tp"),
         (["--tp", "2", "--seq-len", "15", "--sequence-parallel"], "--tp 2, --seq-len 15"),
+        (
+            ["--tp", "2", "--optimizer", "adamw8bit"],
+            "cannot be combined with --optimizer adamw8bit",
+        ),
     ],
 )
 def test_tp_flags_that_do_not_compose_are_usage_errors(flags, message, capsys):
@@ -89,10 +93,18 @@ def test_tp_flags_that_do_not_compose_are_usage_errors(flags, message, capsys):
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "fsdp"])
 def test_tp_composes_with_every_shard_strategy(strategy):
-    """--tp with --shard zero1/zero2/fsdp (over the data-parallel groups) was refused before
-    ft.shard could split a tensor-parallel state over dp; now every strategy is accepted."""
+    """--tp with each --shard strategy (over the data-parallel groups) passes validation."""
     p = argparse.ArgumentParser()
     add_arguments(p)
     cfg = from_args(p.parse_args(["--tp", "2", "--shard", strategy]))
     cfg.validate()  # raises ValueError for a combination that is refused
     assert (cfg.tp, cfg.shard) == (2, strategy)
+
+
+def test_sequence_parallel_with_a_llama_model_dir_is_refused_before_any_build(tmp_path, capsys):
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--tp", "2", "--sequence-parallel", "--model-dir", str(tmp_path)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "model_type 'llama'" in err and "Drop --sequence-parallel" in err

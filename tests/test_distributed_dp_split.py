@@ -2,8 +2,9 @@
 
 One spawn of 4 gloo ranks (2 dp x 2 tp) trains a tiny GPT with each strategy, composed with
 accumulate + checkpoint (fsdp also with sequence parallelism) and with bf16 autocast, saves an
-fsdp x tp state, measures bytes per rank and collects the build-time error for a wrong mesh. Each rank returns whole (unsharded) states,
-compared here against one process given the whole batch.
+fsdp x tp state, measures bytes per rank and collects the errors for a wrong mesh and a state
+not laid out over dp. Each rank returns whole (unsharded) states, compared here against one
+process given the whole batch.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ def _step(opt, compose, model):
 def _opt(compose):
     if compose == "muon":  # Newton-Schulz on each whole matrix: gathered over dp and tp
         return ft.optim.muon_adamw(0.02, 1e-3, weight_decay=0.1, mask=ft.optim.decay_mask)
+    if compose == "adafactor":  # row/column statistics of matrices split over dp and tp
+        return ft.optim.adafactor(1e-2)
     # sgd under bf16: adamw's update (about +-lr for any gradient) would amplify bf16 rounding of
     # a gradient that is zero up to rounding (the k-projection bias) into an lr-sized difference
     return ft.optim.sgd(0.1) if compose == "bf16" else ft.optim.adamw(1e-3)
@@ -82,17 +85,23 @@ def _four_ranks(path):
     out["fsdp bf16"] = _train("fsdp", "bf16")
     out["fp16"] = {s: _train(s, "fp16") for s in ("ddp", "fsdp")}
     out["muon"] = {s: _train(s, "muon") for s in ("ddp", "fsdp")}
+    out["adafactor"] = _train("fsdp", "adafactor")
     laid = {s: _train(s, layout_only=True) for s in ("ddp", "fsdp")}
     out["bytes"] = {s: local_bytes(state) for s, state in laid.items()}
     out["loaded"] = ft.unshard_state(ft.load(path, like=laid["fsdp"]))  # onto fsdp x tp
     model = tiny_gpt(n_layer=2)
-    tp = ft.tensor_parallel(model, gpt_plan(), ft.distributed.tp_mesh(2))
+    mesh = ft.distributed.tp_mesh(2)
+    tp = ft.tensor_parallel(model, gpt_plan(), mesh)
     state = tp.shard_state(ft.TrainState.create(ft.params_of(model), ft.optim.sgd(0.1)))
+    adamw_state = tp.shard_state(ft.TrainState.create(ft.params_of(model), ft.optim.adamw(1e-3)))
     cases = {  # fsdp over every process instead of the dp dimension
         "wrong mesh": lambda: ft.shard(
             tp(ft.train_step(lm_loss(model), ft.optim.sgd(0.1))), "fsdp"
         ),
         "wrong state mesh": lambda: ft.shard_state(state, "fsdp"),
+        "not over dp": lambda: ft.shard(  # tp.shard_state'd only: its fix names both calls
+            tp(ft.train_step(lm_loss(model), ft.optim.adamw(1e-3))), "zero2", mesh=mesh["dp"]
+        )(adamw_state, lm_batch(2)),
     }
     for name, make in cases.items():
         try:
@@ -168,3 +177,10 @@ def test_shard_and_shard_state_over_another_mesh_than_dp_are_refused(four):
     for case in ("wrong mesh", "wrong state mesh"):
         message = ranks[0][case]
         assert message is not None and "mesh=mesh['dp']" in message, case
+    want = "ft.shard_state(tp.shard_state(state), 'zero2', mesh=mesh['dp'])"
+    assert want in ranks[0]["not over dp"]
+
+
+def test_adafactor_under_fsdp_over_dp_equals_one_process(four):
+    _, ranks = four
+    assert _max_diff(ranks[0]["adafactor"].params, _one_process("adafactor").params) <= 1e-5

@@ -249,6 +249,10 @@ def _sp_errors():
         "llama": lambda: ft.tensor_parallel(
             _hf("llama"), hf_llama_plan(), mesh, sequence_parallel=True
         ),
+        "tied head": lambda: ft.tensor_parallel(model, gpt_plan(vocab_parallel=True), mesh),
+        "adamw8bit": lambda: tp.shard_state(  # fc.weight: 4096 entries, moments in 8 bits
+            ft.TrainState.create(ft.params_of(model), ft.optim.adamw8bit(1e-3))
+        ),
         "flag": lambda: ft.tensor_parallel(model, gpt_plan(), mesh, sequence_parallel="yes"),
         "length": lambda: tp(step)(tp.shard_state(state), odd),
     }
@@ -308,6 +312,8 @@ def test_sequence_parallel_bad_input_is_a_clear_error(two):
     assert "marks no module SequenceParallel()" in errors["llama"]
     assert "sequence_parallel='yes'" in errors["flag"]
     assert "(2, 15, 32)" in errors["length"] and "divide by tp=2" in errors["length"]
+    assert "GPTConfig(..., tie_weights=False)" in errors["tied head"]
+    assert "8-bit moments" in errors["adamw8bit"] and "ft.optim.adamw" in errors["adamw8bit"]
 
 
 def _vocab_run(tp_fn=None):

@@ -24,6 +24,7 @@ from ftrain.distributed.dtensor import dtensor, from_local, is_dtensor, split_pl
 from ftrain.distributed.launch import require_group
 from ftrain.distributed.plans import Split, local_piece
 from ftrain.distributed.zero import check_replicated
+from ftrain.optim.quantized import CODE_LEAVES
 from ftrain.state import TrainState
 
 __all__ = ["tp_mesh", "check_tp_mesh", "placements", "lay_out", "lay_out_state", "follow"]
@@ -125,6 +126,7 @@ def lay_out_state(state: TrainState, splits: Mapping[str, Split], mesh: Any) -> 
     plain = state.replace(params=_whole(params))
     check_replicated(plain, None)  # over every process
     shapes = dict(zip(tree.paths(plain.params), (t.shape for t in tree.leaves(plain.params))))
+    _check_no_codes(state.opt_state, splits)
     out = {}
     for field in ("params", "opt_state", "extra"):
         td = getattr(state, field)
@@ -135,6 +137,21 @@ def lay_out_state(state: TrainState, splits: Mapping[str, Split], mesh: Any) -> 
         ]
         out[field] = tree.unflatten(td, laid)
     return state.replace(**out)
+
+
+def _check_no_codes(opt_state, splits: Mapping[str, Split]) -> None:
+    """Refuse 8-bit moments of a split parameter: their codes quantize blocks of the whole
+    flattened tensor, which a piece (a row-parallel weight's columns) does not share."""
+    split = [k for k, s in splits.items() if s.dim is not None]
+    for path in tree.paths(opt_state):
+        head, _, last = path.rpartition(".")
+        if last in CODE_LEAVES and any(head == k or head.endswith("." + k) for k in split):
+            raise ValueError(
+                f"tensor_parallel.shard_state: the optimizer state holds 8-bit moments "
+                f"({path!r}) of a split parameter; adamw8bit quantizes blocks of each whole "
+                "flattened tensor, which tensor parallelism's pieces do not share. Fix: use "
+                "ft.optim.adamw (or another optimizer of ftrain.optim) under tensor parallelism."
+            )
 
 
 def _whole(td):

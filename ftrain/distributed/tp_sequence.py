@@ -84,7 +84,25 @@ def region(model: nn.Module, plan: Mapping[str, object]) -> list[str]:
             "have it; hf_llama_plan() cannot: Llama's attention reshapes by its input's length), "
             "or sequence_parallel=False."
         )
+    _check_consecutive(model, outer)
     return outer
+
+
+def _check_consecutive(model: nn.Module, names: list[str]) -> None:
+    """Refuse a region that skips a module: every module between its first and last (in
+    ``named_modules`` order, the order ``region`` splits and gathers by) runs on slices, so one
+    left out would see slices without its partial gradients summed or its dropout per position."""
+    order = [n for n, _ in model.named_modules() if n]
+    span = order[order.index(names[0]) : order.index(names[-1]) + 1]
+    skipped = [n for n in span if not any(n == r or n.startswith(r + ".") for r in names)]
+    outermost = [n for n in skipped if not any(n.startswith(m + ".") for m in skipped)]
+    if outermost:
+        raise ValueError(
+            f"ft.tensor_parallel(..., sequence_parallel=True): the SequenceParallel() region "
+            f"{names[0]!r} .. {names[-1]!r} skips {outermost[:4]}, which would run on sequence "
+            "slices without their partial gradients summed. Fix: mark every module between the "
+            "first and the last (e.g. 'blocks.*')."
+        )
 
 
 def partial_params(

@@ -24,7 +24,16 @@ from ftrain.optim.transforms import (
     scale_by_learning_rate,
 )
 
-__all__ = ["scale_by_adam_8bit", "adamw8bit", "quantize_blockwise", "dequantize_blockwise"]
+__all__ = [
+    "scale_by_adam_8bit",
+    "adamw8bit",
+    "quantize_blockwise",
+    "dequantize_blockwise",
+    "CODE_LEAVES",
+]
+
+# The state leaves that hold codes of blocks of a whole flattened tensor (not shaped like it).
+CODE_LEAVES = ("mu_q", "nu_q")
 
 _SIGNED = (127, 2.0)  # levels, power for the first moment (int8)
 _UNSIGNED = (255, 4.0)  # levels, power for the second moment (uint8)

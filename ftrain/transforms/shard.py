@@ -123,10 +123,12 @@ class Shard(Transform):
         if (params and self._sharded(params) != (self.strategy == "fsdp")) or (
             opt and self._sharded(opt) != (self.strategy != "ddp")
         ):
+            call = f"ft.shard_state(state, {self.strategy!r})"
+            if params and dp_split.is_tp_laid(params[0]):  # under ft.tensor_parallel
+                call = f"ft.shard_state(tp.shard_state(state), {self.strategy!r}, mesh=mesh['dp'])"
             raise ValueError(
                 f"ft.shard(step, {self.strategy!r}) got a state laid out for another strategy (or "
-                f"not sharded). Call state = ft.shard_state(state, {self.strategy!r}) once, after "
-                "creating or loading it."
+                f"not sharded). Call state = {call} once, after creating or loading it."
             )
 
     def _sharded(self, leaves) -> bool:

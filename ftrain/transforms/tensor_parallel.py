@@ -20,7 +20,9 @@ Composition:
   Either order of wrapping, ``ft.shard(tp(step), ...)`` or ``tp(ft.shard(step, ...))``.
 * ``ft.accumulate``, ``ft.checkpoint`` (a recomputed block runs its collectives again) and
   ``ft.autocast`` compose in any order; ``ft.compile`` is refused (collectives and DTensor).
-* The optimizers of ``ftrain.optim`` run on the pieces unchanged (DTensor makes their norms global).
+* The optimizers of ``ftrain.optim`` run on the pieces unchanged (DTensor makes their norms
+  global), except ``adamw8bit``, whose codes quantize blocks of whole tensors: refused by
+  ``shard_state``.
 * Randomness: dropout draws the same stream on every ``tp`` process, so the whole activations
   between pairs get the same masks (under ``sequence_parallel``, masks per global position);
   dropout inside a pair (attention probabilities of this process's heads) equals one process
@@ -88,6 +90,7 @@ class TensorParallel(Transform):
             )
         require_group("tensor_parallel")
         object.__setattr__(self, "mesh", check_tp_mesh(self.mesh, "tensor_parallel"))
+        _check_vocab_head(self.model, self.plan)
         object.__setattr__(self, "splits", resolve_plan(self.model, self.plan, self.tp))
         if not isinstance(self.sequence_parallel, bool):
             raise TypeError(
@@ -181,6 +184,17 @@ class TensorParallel(Transform):
         return tp_copy(module, self.plan, self.tp, self.collectives, more)
 
 
+def _check_vocab_head(model: nn.Module, plan: Mapping[str, object]) -> None:
+    """A plan that splits ``lm_head`` on a GPT whose head is the embedding (tied): say so."""
+    tied = getattr(getattr(model, "config", None), "tie_weights", False)
+    if tied and "lm_head" in plan and getattr(model, "lm_head", None) is None:
+        raise ValueError(
+            "ft.tensor_parallel: the plan splits 'lm_head' (gpt_plan(vocab_parallel=True)), but "
+            "this GPT ties its output head to the embedding, so it has no lm_head to split. Fix: "
+            "build it with GPTConfig(..., tie_weights=False), or use gpt_plan()."
+        )
+
+
 def tensor_parallel(
     model: nn.Module, plan: Mapping[str, object], mesh: Any, *, sequence_parallel: bool = False
 ) -> TensorParallel:
@@ -214,15 +228,16 @@ def tensor_parallel(
     ``ft.distributed.vocab_parallel_cross_entropy(logits, targets, tp.group)``.
 
     **Invariant:** equals one process holding the whole params (fp32: 1e-5 after several steps,
-    any optimizer of ``ftrain.optim``), also on a 2-D mesh under ``ft.shard`` over ``dp`` (ddp,
+    any optimizer of ``ftrain.optim`` but ``adamw8bit``), also on a 2-D mesh under ``ft.shard`` over ``dp`` (ddp,
     zero1, zero2, fsdp) and with ``accumulate``/``checkpoint``/``autocast``; with
     ``sequence_parallel`` too (the norms' params included), and with the vocabulary-parallel loss.
 
     Raises when built: no process group, a mesh without ``"tp"`` or not over every process, a
     pattern that names no module, a split dimension (or divided head count) not divisible by the
     tp size, ``shard`` over another mesh than ``mesh["dp"]``, ``compile``; with
-    ``sequence_parallel``: a plan without ``SequenceParallel()`` (``hf_llama_plan``). At the first
-    call: a state that ``shard_state`` did not lay out; with ``sequence_parallel``, a sequence
-    length not divisible by the tp size.
+    ``sequence_parallel``: a plan without ``SequenceParallel()`` (``hf_llama_plan``) or whose
+    region skips a module; a plan that splits ``lm_head`` of a GPT with tied weights. From
+    ``shard_state``: ``adamw8bit`` state. At the first call: a state that ``shard_state`` did not
+    lay out; with ``sequence_parallel``, a sequence length not divisible by the tp size.
     """
     return TensorParallel(model, plan, mesh, sequence_parallel)
