@@ -165,3 +165,24 @@ def mean_ce(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 def flat(td) -> dict[str, torch.Tensor]:
     """A TensorDict's leaves keyed by dotted path."""
     return dict(td.flatten_keys(".").items())
+
+
+def _paired(a, b) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """The leaves of two trees (TensorDicts or TrainStates) paired by path; an AssertionError
+    when their paths differ or they hold none (so a comparison can never pass vacuously)."""
+    left = dict(zip(ft.tree.paths(a), ft.tree.leaves(a)))
+    right = dict(zip(ft.tree.paths(b), ft.tree.leaves(b)))
+    assert left and left.keys() == right.keys(), sorted(left.keys() ^ right.keys())[:4]
+    return [(k, v, right[k]) for k, v in left.items()]
+
+
+def max_tree_diff(a, b) -> float:
+    """The largest ``|a - b|`` over the leaves of two trees with the same paths."""
+    return max(float((x.double() - y.double()).abs().max()) for _, x, y in _paired(a, b))
+
+
+def assert_trees_close(a, b, tol: float) -> None:
+    """Every leaf of ``a`` within ``tol`` (absolute and relative) of ``b``'s at the same path,
+    dtype and shape included; ``tol=0``: bitwise equal (up to the sign of zero)."""
+    for path, x, y in _paired(a, b):
+        torch.testing.assert_close(x, y, rtol=tol, atol=tol, msg=lambda m, p=path: f"{p}: {m}")

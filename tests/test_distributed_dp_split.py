@@ -16,7 +16,7 @@ import ftrain as ft
 from ftrain.distributed import local_bytes
 from ftrain.distributed.plans import gpt_plan
 from ftrain.testing import run_distributed
-from tests._tiny import lm_batch, lm_loss, tiny_gpt
+from tests._tiny import assert_trees_close, lm_batch, lm_loss, max_tree_diff, tiny_gpt
 
 STEPS, ROWS = 3, 8
 
@@ -118,28 +118,24 @@ def four(tmp_path_factory):
     return path, run_distributed(_four_ranks, 4, path)
 
 
-def _max_diff(a, b):
-    return max(float((x - y).abs().max()) for x, y in zip(ft.tree.leaves(a), ft.tree.leaves(b)))
-
-
 def test_zero_and_fsdp_over_dp_equal_one_process(four):
     _, ranks = four
     want = _one_process()
     for name in ("zero1", "zero2", "fsdp", "fsdp inner"):
         for r in ranks:  # every rank holds the same whole state
-            assert _max_diff(r[name].params, ranks[0][name].params) == 0, name
-        assert _max_diff(ranks[0][name].params, want.params) <= 1e-5, name
-        assert _max_diff(ranks[0][name].opt_state, want.opt_state) <= 1e-5, name
+            assert max_tree_diff(r[name].params, ranks[0][name].params) == 0, name
+        assert max_tree_diff(ranks[0][name].params, want.params) <= 1e-5, name
+        assert max_tree_diff(ranks[0][name].opt_state, want.opt_state) <= 1e-5, name
 
 
 def test_fsdp_over_dp_composes_with_accumulate_checkpoint_and_bf16(four):
     _, ranks = four
     want = _one_process("fp32")
     for name in ("fsdp fp32", "zero2 fp32", "fsdp sp fp32"):
-        assert _max_diff(ranks[0][name].params, want.params) <= 1e-5, name
+        assert max_tree_diff(ranks[0][name].params, want.params) <= 1e-5, name
     # bf16: the row-parallel partial sums are rounded before they are added, and the dp ranks'
     # gradients are summed from bf16-computed halves (one process rounds each whole sum once)
-    assert _max_diff(ranks[0]["fsdp bf16"].params, _one_process("bf16").params) <= 1e-3
+    assert max_tree_diff(ranks[0]["fsdp bf16"].params, _one_process("bf16").params) <= 1e-3
 
 
 def test_fp16_loss_scaling_under_fsdp_over_dp_equals_ddp_over_dp(four):
@@ -147,23 +143,24 @@ def test_fp16_loss_scaling_under_fsdp_over_dp_equals_ddp_over_dp(four):
     # ft.shard's reduce then reduce-scatters them: the same sums as ddp's all-reduce
     _, ranks = four
     fp16 = ranks[0]["fp16"]
-    assert _max_diff(fp16["fsdp"].params, fp16["ddp"].params) <= 1e-6
-    assert _max_diff(fp16["fsdp"].params, ft.params_of(tiny_gpt(n_layer=2))) > 1e-4  # it trained
+    assert max_tree_diff(fp16["fsdp"].params, fp16["ddp"].params) <= 1e-6
+    assert (
+        max_tree_diff(fp16["fsdp"].params, ft.params_of(tiny_gpt(n_layer=2))) > 1e-4
+    )  # it trained
 
 
 def test_muon_on_fsdp_over_dp_pieces_equals_muon_under_ddp_over_dp(four):
     # the optimizers run on the pieces unchanged: Muon's matrices are gathered whole (DTensor)
     _, ranks = four
     muon = ranks[0]["muon"]
-    assert _max_diff(muon["fsdp"].params, muon["ddp"].params) <= 1e-6
+    assert max_tree_diff(muon["fsdp"].params, muon["ddp"].params) <= 1e-6
 
 
 def test_fsdp_x_tp_save_loads_on_one_process_and_onto_fsdp_x_tp_bitwise(four):
     path, ranks = four
     whole = ranks[0]["fsdp"]
     for loaded in (ft.load(path), *(r["loaded"] for r in ranks)):
-        for x, y in zip(ft.tree.leaves(loaded), ft.tree.leaves(whole)):
-            assert torch.equal(x, y)
+        assert_trees_close(loaded, whole, 0)
 
 
 def test_fsdp_over_dp_halves_the_bytes_of_each_rank(four):
@@ -183,4 +180,4 @@ def test_shard_and_shard_state_over_another_mesh_than_dp_are_refused(four):
 
 def test_adafactor_under_fsdp_over_dp_equals_one_process(four):
     _, ranks = four
-    assert _max_diff(ranks[0]["adafactor"].params, _one_process("adafactor").params) <= 1e-5
+    assert max_tree_diff(ranks[0]["adafactor"].params, _one_process("adafactor").params) <= 1e-5

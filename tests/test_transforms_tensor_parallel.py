@@ -15,7 +15,7 @@ import ftrain as ft
 from ftrain.distributed.plans import Colwise, gpt_plan, hf_gpt2_plan, hf_llama_plan
 from ftrain.testing import run_distributed
 from ftrain.transforms.tensor_parallel import TensorParallel
-from tests._tiny import lm_batch, lm_loss, tiny_gpt
+from tests._tiny import assert_trees_close, lm_batch, lm_loss, max_tree_diff, tiny_gpt
 
 STEPS, ROWS = 3, 8
 
@@ -84,11 +84,6 @@ def _four_ranks(path):
     return out
 
 
-def _close(a, b, tol):
-    for x, y in zip(ft.tree.leaves(a), ft.tree.leaves(b)):
-        torch.testing.assert_close(x, y, rtol=tol, atol=tol)
-
-
 @pytest.fixture(scope="module")
 def four(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("tp") / "ckpt")
@@ -98,26 +93,25 @@ def four(tmp_path_factory):
 def test_dp2_x_tp2_equals_one_process(four):
     _, ranks = four
     for r in ranks:  # every rank holds the same state
-        _close(r["plain"][0].params, ranks[0]["plain"][0].params, 0)
+        assert_trees_close(r["plain"][0].params, ranks[0]["plain"][0].params, 0)
     want = _one_process()
-    _close(ranks[0]["plain"][0].params, want.params, 1e-5)
-    _close(ranks[0]["plain"][0].opt_state, want.opt_state, 1e-5)
+    assert_trees_close(ranks[0]["plain"][0].params, want.params, 1e-5)
+    assert_trees_close(ranks[0]["plain"][0].opt_state, want.opt_state, 1e-5)
 
 
 def test_dp2_x_tp2_composes_with_accumulate_checkpoint_and_bf16(four):
     _, ranks = four
-    _close(ranks[0]["fp32"][0].params, _one_process("fp32").params, 1e-5)
+    assert_trees_close(ranks[0]["fp32"][0].params, _one_process("fp32").params, 1e-5)
     # bf16: the row-parallel partial sums are rounded before they are added (one process rounds
     # the whole sum once); within a few bf16 roundings of the same composition on one process
-    _close(ranks[0]["bf16"][0].params, _one_process("bf16").params, 1e-3)
+    assert_trees_close(ranks[0]["bf16"][0].params, _one_process("bf16").params, 1e-3)
 
 
 def test_save_under_2x2_loads_on_one_process_bitwise(four):
     path, ranks = four
     loaded = ft.load(path)
     whole = ranks[0]["plain"][0]
-    for x, y in zip(ft.tree.leaves(loaded), ft.tree.leaves(whole)):
-        assert torch.equal(x, y)
+    assert_trees_close(loaded, whole, 0)
 
 
 def _hf(kind):
@@ -207,23 +201,22 @@ def two(four):
 
 
 def test_tp2_equals_one_process_for_gpt_and_hugging_face_models(two):
-    _close(two[0]["gpt"][0].params, _one_process().params, 1e-5)
-    _close(two[1]["gpt"][0].params, two[0]["gpt"][0].params, 0)
+    assert_trees_close(two[0]["gpt"][0].params, _one_process().params, 1e-5)
+    assert_trees_close(two[1]["gpt"][0].params, two[0]["gpt"][0].params, 0)
     # Muon (AdamW for the rest) on the pieces: each matrix gathered whole for Newton-Schulz. NS
     # (in bf16) maps every singular value to about 1, also the tiny ones that rounding sets, so
     # the pieces' rounding shows at a few percent of lr = 0.02; orthogonalizing each piece on its
     # own instead would differ by about lr
-    _close(two[0]["muon"][0].params, _one_process("muon").params, 2e-3)
+    assert_trees_close(two[0]["muon"][0].params, _one_process("muon").params, 2e-3)
     for kind in ("gpt2", "llama"):
         want = _one_process(model=_hf(kind), rows=4)
-        _close(two[0][kind][0].params, want.params, 1e-5)
+        assert_trees_close(two[0][kind][0].params, want.params, 1e-5)
 
 
 def test_tp_saves_reshard_onto_tp_and_fsdp_layouts(two, four):
     whole = four[1][0]["plain"][0]
     for loaded in two[0]["loaded"]:
-        for x, y in zip(ft.tree.leaves(loaded), ft.tree.leaves(whole)):
-            assert torch.equal(x, y)
+        assert_trees_close(loaded, whole, 0)
 
 
 def test_bad_input_is_a_clear_error_when_the_step_is_built(two, four):
@@ -280,22 +273,28 @@ def _norms(params):
 def test_sequence_parallel_tp2_equals_one_process_norm_grads_summed(two):
     want = _one_process()
     got = two[0]["sp"][0]
-    _close(got.params, want.params, 1e-5)
-    _close(got.opt_state, want.opt_state, 1e-5)  # the moments: the norms' grads were whole
-    _close(two[1]["sp"][0].params, got.params, 0)
+    assert_trees_close(got.params, want.params, 1e-5)
+    assert_trees_close(
+        got.opt_state, want.opt_state, 1e-5
+    )  # the moments: the norms' grads were whole
+    assert_trees_close(two[1]["sp"][0].params, got.params, 0)
     # the check can fail: without the sum over tp each norm trains on half the positions' grads
     wrong = _norms(two[0]["sp no sums"][0].params)
     worst = max((wrong[k] - v).abs().max().item() for k, v in _norms(want.params).items())
     assert worst > 1e-3
-    _close(two[0]["sp gpt2"][0].params, _one_process(model=_hf("gpt2"), rows=4).params, 1e-5)
+    assert_trees_close(
+        two[0]["sp gpt2"][0].params, _one_process(model=_hf("gpt2"), rows=4).params, 1e-5
+    )
 
 
 def test_sequence_parallel_dp2_x_tp2_with_accumulate_checkpoint_and_bf16(four):
     _, ranks = four
-    _close(ranks[0]["sp"][0].params, _one_process().params, 1e-5)
-    _close(ranks[3]["sp"][0].params, ranks[0]["sp"][0].params, 0)
-    _close(ranks[0]["sp fp32"][0].params, _one_process("fp32").params, 1e-5)
-    _close(ranks[0]["sp bf16"][0].params, _one_process("bf16").params, 1e-3)  # as plain tp's
+    assert_trees_close(ranks[0]["sp"][0].params, _one_process().params, 1e-5)
+    assert_trees_close(ranks[3]["sp"][0].params, ranks[0]["sp"][0].params, 0)
+    assert_trees_close(ranks[0]["sp fp32"][0].params, _one_process("fp32").params, 1e-5)
+    assert_trees_close(
+        ranks[0]["sp bf16"][0].params, _one_process("bf16").params, 1e-3
+    )  # as plain tp's
 
 
 def test_sequence_parallel_keeps_fewer_activation_bytes(two):
@@ -350,8 +349,8 @@ def _train_vocab(sequence_parallel):
 
 def test_vocab_parallel_loss_with_and_without_sequence_parallel_equals_one_process(two):
     want = _vocab_run()
-    _close(two[0]["vocab"].params, want.params, 1e-5)
-    _close(two[0]["sp vocab"].params, want.params, 1e-5)
+    assert_trees_close(two[0]["vocab"].params, want.params, 1e-5)
+    assert_trees_close(two[0]["sp vocab"].params, want.params, 1e-5)
 
 
 class _SequenceDropoutReference(ft.Transform):
@@ -393,14 +392,8 @@ def _dropout_run(sequence_parallel=None):
 def test_sequence_parallel_dropout_masks_each_global_position_once(two):
     want, want_loss = _dropout_run()
     got, loss = two[0]["sp dropout"]
-    _close(got.params, want.params, 1e-5)
+    assert_trees_close(got.params, want.params, 1e-5)
     assert loss == pytest.approx(want_loss, rel=1e-6)
     # the check can fail: plain dropout (torch's masks) trains to different params
     plain = _one_process()
-    assert (
-        max(
-            (a - b).abs().max()
-            for a, b in zip(ft.tree.leaves(plain.params), ft.tree.leaves(want.params))
-        )
-        > 1e-4
-    )
+    assert max_tree_diff(plain.params, want.params) > 1e-4

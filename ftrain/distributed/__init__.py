@@ -1,7 +1,7 @@
 """Data and tensor parallelism on ``torch.distributed``: process-group set-up, flat collectives,
 DTensor plumbing, ZeRO state layouts, FSDP gathering, tensor-parallel plans, layouts and model
-copies, and the split over ``dp`` of a tensor-parallel state (``dp_split``). The ``ft.shard`` and ``ft.tensor_parallel`` transforms (``ftrain.transforms``) are built
-from these.
+copies, and the split over ``dp`` of a tensor-parallel state (``dp_split``). The ``ft.shard`` and
+``ft.tensor_parallel`` transforms (``ftrain.transforms``) are built from these.
 
     torchrun --nproc_per_node 2 -m ftrain train --shard fsdp
     torchrun --nproc_per_node 4 -m ftrain train --shard fsdp --tp 2   # fsdp over dp x tp

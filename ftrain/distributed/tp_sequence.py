@@ -50,7 +50,14 @@ from ftrain.distributed.sequence import (
 from ftrain.distributed.tp import PairCollectives
 from ftrain.step.engine import Grads
 
-__all__ = ["sequence_pair", "region", "partial_params", "sequence_forwards", "SumPartialGrads"]
+__all__ = [
+    "sequence_pair",
+    "region",
+    "in_region",
+    "partial_params",
+    "sequence_forwards",
+    "SumPartialGrads",
+]
 
 
 def sequence_pair(group) -> PairCollectives:
@@ -75,7 +82,7 @@ def region(model: nn.Module, plan: Mapping[str, object]) -> list[str]:
         for n, _ in model.named_modules()
         if n and any(fnmatch.fnmatchcase(n, p) for p in patterns)
     ]
-    outer = [n for n in names if not any(n.startswith(m + ".") for m in names)]
+    outer = _outermost(names)
     if not outer:
         raise ValueError(
             "ft.tensor_parallel(..., sequence_parallel=True): the plan marks no module "
@@ -94,8 +101,8 @@ def _check_consecutive(model: nn.Module, names: list[str]) -> None:
     left out would see slices without its partial gradients summed or its dropout per position."""
     order = [n for n, _ in model.named_modules() if n]
     span = order[order.index(names[0]) : order.index(names[-1]) + 1]
-    skipped = [n for n in span if not any(n == r or n.startswith(r + ".") for r in names)]
-    outermost = [n for n in skipped if not any(n.startswith(m + ".") for m in skipped)]
+    skipped = [n for n in span if not in_region(n, names)]
+    outermost = _outermost(skipped)
     if outermost:
         raise ValueError(
             f"ft.tensor_parallel(..., sequence_parallel=True): the SequenceParallel() region "
@@ -103,6 +110,16 @@ def _check_consecutive(model: nn.Module, names: list[str]) -> None:
             "slices without their partial gradients summed. Fix: mark every module between the "
             "first and the last (e.g. 'blocks.*')."
         )
+
+
+def _outermost(names: list[str]) -> list[str]:
+    """``names`` without the paths inside another of them, in order."""
+    return [n for n in names if not any(n.startswith(m + ".") for m in names)]
+
+
+def in_region(path: str, names) -> bool:
+    """Whether module ``path`` is one of the modules ``names`` or inside one."""
+    return any(path == r or path.startswith(r + ".") for r in names)
 
 
 def partial_params(

@@ -34,6 +34,7 @@ from ftrain.state import TrainState
 
 __all__ = [
     "STRATEGIES",
+    "SHARDED_FIELDS",
     "check_strategy",
     "check_replicated",
     "shard_state",
@@ -45,6 +46,13 @@ __all__ = [
 ]
 
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
+# The state fields each strategy splits over the processes (zero2's gradients live in the step).
+SHARDED_FIELDS = {
+    "ddp": (),
+    "zero1": ("opt_state",),
+    "zero2": ("opt_state",),
+    "fsdp": ("params", "opt_state", "extra"),
+}
 
 
 def check_strategy(strategy: object, fn: str) -> str:
@@ -165,14 +173,8 @@ def shard_state(state: TrainState, strategy: str = "ddp", mesh: Any = None) -> T
     check_replicated(state, mesh.get_group())
     if strategy == "ddp":
         return state
-    opt_state = shard_tree(state.opt_state, mesh, copy=True)
-    if strategy != "fsdp":
-        return state.replace(opt_state=opt_state)
-    return state.replace(
-        params=shard_tree(state.params, mesh, copy=True),
-        opt_state=opt_state,
-        extra=shard_tree(state.extra, mesh, copy=True),
-    )
+    fields = SHARDED_FIELDS[strategy]
+    return state.replace(**{f: shard_tree(getattr(state, f), mesh, copy=True) for f in fields})
 
 
 def _shard_tp_state(state: TrainState, strategy: str, mesh) -> TrainState:
@@ -191,9 +193,7 @@ def _shard_tp_state(state: TrainState, strategy: str, mesh) -> TrainState:
             f"{sorted(mesh.mesh.flatten().tolist())}. Fix: mesh=mesh['dp'] with the mesh of "
             "ft.tensor_parallel."
         )
-    sharded = {"ddp": (), "zero1": ("opt_state",), "zero2": ("opt_state",)}.get(
-        strategy, ("params", "opt_state", "extra")
-    )
+    sharded = SHARDED_FIELDS[strategy]
     out = {}
     for field in ("params", "opt_state", "extra"):
         td = getattr(state, field)

@@ -54,6 +54,7 @@ from ftrain.distributed.tp_layout import check_tp_mesh, lay_out_state
 from ftrain.distributed.tp_model import tp_copy
 from ftrain.distributed.tp_sequence import (
     SumPartialGrads,
+    in_region,
     partial_params,
     region,
     sequence_forwards,
@@ -120,9 +121,7 @@ class TensorParallel(Transform):
         over it out. A column-parallel ``lm_head`` after the region sees the gathered sequence
         and keeps Megatron's f."""
         group = self.mesh.get_group("tp")
-        inside = not path or any(
-            path == r or path.startswith(r + ".") for r in self.sequence_region
-        )
+        inside = not path or in_region(path, self.sequence_region)
         return sequence_pair(group) if self.sequence_parallel and inside else megatron(group)
 
     def shard_state(self, state: TrainState) -> TrainState:
