@@ -90,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         except ft.CheckpointError as e:  # a damaged checkpoint: its message says which and why
             print(f"ftrain train: {e}", file=sys.stderr)
             return 1
+        except ft.data.DataError as e:  # data that would train nothing: refused before step 1
+            train_parser.error(str(e))
         return 130 if summary.get("interrupted") else 0
     if ns.command == "sample":
         if ns.max_new_tokens < 1 or ns.temperature < 0 or ns.top_k < 0:
