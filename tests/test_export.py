@@ -182,3 +182,43 @@ def test_model_dir_lora_lowers_the_loss_resumes_and_exports(tmp_path, kind):
     # consolidate of a LoRA run refuses, naming the command that merges
     with pytest.raises(SystemExit):
         main(["consolidate", "--run", str(a), "--out", str(tmp_path / "c")])
+
+
+def test_a_bf16_model_without_a_template_needs_one_chosen_and_its_export_keeps_all(
+    tmp_path, capsys
+):
+    """A bf16 folder with use_cache on and no chat template: chat data is refused until
+    --chat-template names one (a usage error naming the flag); the export then has the base's
+    dtype, its use_cache and the chosen template, which apply_chat_template renders."""
+    import json
+
+    from ftrain.cli import main
+    from ftrain.data import BUILTIN_CHAT_TEMPLATE, ByteTokenizer, render_chat
+    from ftrain.models.hf import saved_dtype
+
+    folder = tiny_hf_dir(tmp_path / "m", "llama")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    model.config.use_cache = True
+    model.to(torch.bfloat16).save_pretrained(folder)
+    chats = write_jsonl(tmp_path / "chats.jsonl", arithmetic_chats(20))
+    run = tmp_path / "run"
+    flags = ["train", "--model-dir", str(folder), "--data", str(chats), "--seq-len", "32",
+             "--batch-size", "4", "--max-steps", "1", "--eval-every", "0", "--sample-tokens", "0",
+             "--no-progress", "--data-dir", str(tmp_path / "tokens"), "--out", str(run)]  # fmt: skip
+    with pytest.raises(SystemExit) as e:
+        main(flags)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "has none; choose one: --chat-template builtin" in err
+    assert main([*flags, "--chat-template", "builtin"]) == 0
+    out = tmp_path / "hf"
+    assert main(["export", "--run", str(run), "--out", str(out)]) == 0
+    assert saved_dtype(folder) == saved_dtype(out) == torch.bfloat16
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert loaded.config.use_cache is True and loaded.dtype == torch.bfloat16
+    chat = arithmetic_chats(1)[0]["messages"]
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert tok.chat_template == BUILTIN_CHAT_TEMPLATE
+    assert tok.apply_chat_template(chat, tokenize=False) == render_chat(ByteTokenizer(), chat)
