@@ -103,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     if ns.command == "sample":
         if ns.max_new_tokens < 1 or ns.temperature < 0 or ns.top_k < 0:
             p.error("sample: --max-new-tokens >= 1, --temperature >= 0 and --top-k >= 0")
+        if ns.chat is not None and ns.prompt is not None:
+            p.error("sample: give --prompt (text to continue) or --chat (a message to answer)")
         from ftrain.recipes import sample
 
         try:

@@ -356,7 +356,7 @@ def _outputs(
     rundir.plot_losses(report.log.records(), out / "loss.png")
     text = ""
     if cfg.sample_tokens:
-        text = for_config(cfg).sample_text(model, params, "def ", cfg.sample_tokens, seed=cfg.seed)
+        text = finetune.end_sample(out, cfg, model, params)  # a chat model: a chat turn
         (out / "sample.txt").write_text(text)
     print(
         f"ftrain train: {step} steps in {summary['seconds']:.0f} s; "

@@ -172,8 +172,8 @@ def test_a_run_records_its_model_and_travels(tmp_path, monkeypatch):
 
 
 def test_sample_defaults_to_a_chat_turn_on_a_chat_model(tmp_path, monkeypatch, capsys):
-    """A byte-level GPT trained on chats records the built-in template: `ftrain sample` without
-    a prompt then answers a chat turn (its text is a reply, not 'def ' continued)."""
+    """A byte-level GPT trained on chats records the built-in template: its end-of-run sample
+    and `ftrain sample` without a prompt answer a chat turn, not 'def ' continued."""
     import ftrain.recipes.finetune as finetune
     from ftrain.cli import main
     from ftrain.data import BUILTIN_CHAT_TEMPLATE
@@ -184,9 +184,10 @@ def test_sample_defaults_to_a_chat_turn_on_a_chat_model(tmp_path, monkeypatch, c
     chats = write_jsonl(tmp_path / "c.jsonl", arithmetic_chats(20))
     run = tmp_path / "run"
     flags = ["--d-model", "32", "--n-layer", "1", "--n-head", "2", "--seq-len", "64",
-             "--batch-size", "2", "--eval-every", "0", "--sample-tokens", "0", "--no-progress",
+             "--batch-size", "2", "--eval-every", "0", "--sample-tokens", "4", "--no-progress",
              "--data", str(chats), "--data-dir", str(tmp_path / "tokens"), "--max-steps", "1"]  # fmt: skip
     assert main(["train", *flags, "--out", str(run)]) == 0
+    assert (run / "sample.txt").read_text().startswith(f"user: {DEFAULT_CHAT}\nassistant: ")
     assert (run / "chat_template.jinja").read_text() == BUILTIN_CHAT_TEMPLATE
     asked = []
     real = finetune.chat_reply
@@ -199,4 +200,6 @@ def test_sample_defaults_to_a_chat_turn_on_a_chat_model(tmp_path, monkeypatch, c
     capsys.readouterr()
     assert main(["sample", "--run", str(run), "--max-new-tokens", "4", "--seed", "1"]) == 0
     assert asked == [DEFAULT_CHAT]
+    with pytest.raises(SystemExit):  # a prompt to continue or a message to answer, not both
+        main(["sample", "--run", str(run), "--prompt", "def ", "--chat", "hi"])
     assert not capsys.readouterr().out.startswith("def ")

@@ -47,6 +47,7 @@ __all__ = [
     "LoadedRun",
     "chat_reply",
     "checkpoint_like",
+    "end_sample",
     "load_run",
     "record_run",
     "run_template",
@@ -209,6 +210,19 @@ def sample(
     recipe = hf if loaded.cfg.model_dir else gpt
     return recipe.sample_text(loaded.model, loaded.params, "def " if prompt is None else prompt,
                               max_new_tokens, temperature=temperature, top_k=top_k, seed=seed)  # fmt: skip
+
+
+def end_sample(out: Path, cfg: TrainConfig, model: torch.nn.Module, params) -> str:
+    """The sample at the end of a run (``cfg.sample_tokens`` tokens, seeded by ``cfg.seed``): on a
+    chat model (the run wrote ``chat_template.jinja``) :data:`DEFAULT_CHAT` and the reply to it,
+    else ``"def "`` continued. ``model`` is not changed."""
+    if not (out / TEMPLATE_FILE).is_file():
+        recipe = hf if cfg.model_dir else gpt
+        return recipe.sample_text(model, params, "def ", cfg.sample_tokens, seed=cfg.seed)
+    tokenizer = data.load_tokenizer(cfg.model_dir) if cfg.model_dir else data.ByteTokenizer()
+    loaded = LoadedRun(cfg, None, model, params, tokenizer, (out / TEMPLATE_FILE).read_text())
+    reply = chat_reply(loaded, DEFAULT_CHAT, cfg.sample_tokens, seed=cfg.seed)
+    return f"user: {DEFAULT_CHAT}\nassistant: {reply}"
 
 
 def chat_reply(
