@@ -222,3 +222,10 @@ def test_a_bf16_model_without_a_template_needs_one_chosen_and_its_export_keeps_a
     tok = transformers.AutoTokenizer.from_pretrained(out)
     assert tok.chat_template == BUILTIN_CHAT_TEMPLATE
     assert tok.apply_chat_template(chat, tokenize=False) == render_chat(ByteTokenizer(), chat)
+    # a full fine-tune's checkpoint holds every weight: another folder is a note, not a refusal
+    other = tiny_hf_dir(tmp_path / "other", "llama", seed=1)
+    capsys.readouterr()
+    assert main(["export", "--run", str(run), "--out", str(tmp_path / "hf2"),
+                 "--model-dir", str(other)]) == 0  # fmt: skip
+    err = capsys.readouterr().err
+    assert "are not those the run was trained from" in err and "only the folder's config" in err
