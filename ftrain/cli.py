@@ -2,9 +2,10 @@
 
     ftrain train --help                           # every setting of ftrain.config.TrainConfig
     ftrain train --out runs/a                     # ftrain.loop.train with the built-in recipe
-    ftrain sample --run runs/a --prompt "def "    # ftrain.recipes.sample
+    ftrain sample --run runs/a --prompt "def "    # ftrain.recipes.sample (--chat "...": a reply)
     ftrain consolidate --run runs/a --out export/  # ft.consolidate: whole-tensor params
     ftrain export --run runs/a --out hf/a         # ftrain.export.export_run: a Hugging Face dir
+    ftrain export --run runs/l --out ad --adapter  # a LoRA run's adapters as a PEFT folder
 
 Bad flags get argparse's usage message and exit code 2, never a traceback; a damaged checkpoint
 gets its message and exit code 1; a run stopped by Ctrl-C (its checkpoint saved) exits with 130.
@@ -45,7 +46,11 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     add_arguments(t)
     s = sub.add_parser("sample", help="generate text from a run's newest checkpoint")
     s.add_argument("--run", required=True, metavar="DIR", help="run directory or checkpoint")
-    s.add_argument("--prompt", default="def ", help="text to continue (default: 'def ')")
+    s.add_argument(
+        "--prompt", help="text to continue (default: 'def ', or on a chat model a --chat turn)"
+    )
+    s.add_argument("--chat", metavar="MESSAGE", help="reply to this user message (chat template)")
+    s.add_argument("--model-dir", metavar="DIR", help="the run's model folder, if it moved")
     s.add_argument("--max-new-tokens", type=int, default=200, metavar="N")
     s.add_argument("--temperature", type=float, default=0.8, metavar="T")
     s.add_argument("--top-k", type=int, default=50, metavar="K", help="0 = no top-k filter")
@@ -66,6 +71,8 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     )
     e.add_argument("--run", required=True, metavar="DIR", help="run directory or checkpoint")
     e.add_argument("--out", required=True, metavar="DIR", help="the directory to write")
+    e.add_argument("--adapter", action="store_true", help="a LoRA run's PEFT adapter folder")
+    e.add_argument("--model-dir", metavar="DIR", help="the run's model folder, if it moved")
     return p, t
 
 
@@ -90,16 +97,19 @@ def main(argv: list[str] | None = None) -> int:
         except ft.CheckpointError as e:  # a damaged checkpoint: its message says which and why
             print(f"ftrain train: {e}", file=sys.stderr)
             return 1
+        except ft.data.DataError as e:  # data that would train nothing: refused before step 1
+            train_parser.error(str(e))
         return 130 if summary.get("interrupted") else 0
     if ns.command == "sample":
         if ns.max_new_tokens < 1 or ns.temperature < 0 or ns.top_k < 0:
             p.error("sample: --max-new-tokens >= 1, --temperature >= 0 and --top-k >= 0")
+        if ns.chat is not None and ns.prompt is not None:
+            p.error("sample: give --prompt (text to continue) or --chat (a message to answer)")
         from ftrain.recipes import sample
 
         try:
-            text = sample(
-                ns.run, ns.prompt, ns.max_new_tokens, ns.temperature, ns.top_k or None, ns.seed
-            )
+            text = sample(ns.run, ns.prompt, ns.max_new_tokens, ns.temperature, ns.top_k or None,
+                          ns.seed, chat=ns.chat, model_dir=ns.model_dir)  # fmt: skip
         except ft.CheckpointError as e:
             print(f"ftrain sample: {e}", file=sys.stderr)
             return 1
@@ -119,11 +129,13 @@ def main(argv: list[str] | None = None) -> int:
         from ftrain.export import export_run
 
         try:
-            out = export_run(ns.run, ns.out)
+            out = export_run(ns.run, ns.out, adapter=ns.adapter, model_dir=ns.model_dir)
         except ft.CheckpointError as e:
             print(f"ftrain export: {e}", file=sys.stderr)
             return 1
-        print(f"ftrain export: wrote {out} (AutoModelForCausalLM.from_pretrained({str(out)!r}))")
+        how = "peft.PeftModel.from_pretrained(base, {!r})" if ns.adapter else (
+            "AutoModelForCausalLM.from_pretrained({!r})")  # fmt: skip
+        print(f"ftrain export: wrote {out} ({how.format(str(out))})")
         return 0
     return 2  # pragma: no cover
 

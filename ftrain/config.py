@@ -132,6 +132,25 @@ class TrainConfig:
     keep: int = _f(3, "checkpoints to keep")
     sample_tokens: int = _f(200, "bytes to generate at the end (0 = none)")
     progress: bool = _f(True, "show a progress bar")
+    # -- fine-tuning: chat data and the --model-dir model (ftrain.data.chat, ftrain.models.hf) ---
+    chat_roles: str | None = _f(
+        None,
+        "rename your chat data's roles onto system/user/assistant/tool (e.g. human=user,"
+        "gpt=assistant); data with no assistant message to learn is refused",
+        metavar="NAME=ROLE,...",
+    )
+    chat_template: str | None = _f(
+        None,
+        "how chats are rendered: model (the --model-dir's template), builtin (ftrain's <|user|> "
+        "template) or a Jinja FILE (default: the model's; builtin for the built-in GPT)",
+        metavar="model|builtin|FILE",
+    )
+    attn_implementation: str | None = _f(
+        None,
+        "attention kernel of a --model-dir model: sdpa, eager or flash_attention_2 (where "
+        "installed) (default: transformers' choice)",
+        metavar="NAME",
+    )
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the setting and the legal values for any bad one."""
@@ -223,6 +242,11 @@ class TrainConfig:
                     "length, so its blocks cannot run on sequence slices). Drop "
                     "--sequence-parallel (--tp alone works)."
                 )
+        from ftrain.data.chat import parse_chat_roles
+        from ftrain.models.hf import check_attn_implementation
+
+        parse_chat_roles(self.chat_roles)  # fine-tuning settings: errors name their flag
+        check_attn_implementation(self.attn_implementation, self.model_dir)
         from ftrain.optim import OPTIMIZERS
 
         if self.optimizer not in OPTIMIZERS:

@@ -11,14 +11,23 @@ A mixture-of-experts GPT has no GPT-2 counterpart and is refused. Its byte token
 as a ``tokenizers`` byte-level BPE with no merges: ids 0..255 are the UTF-8 bytes and 256 is
 ``<|endoftext|>``, so ``AutoTokenizer`` encodes and decodes as ``ByteTokenizer`` does.
 
-A Hugging Face model (a ``--model-dir`` run) is written with its own ``save_pretrained``. A LoRA
+A Hugging Face model (a ``--model-dir`` run) is written with its own ``save_pretrained``, in the
+dtype its folder stores (a bf16 model stays bf16) and with the folder's ``use_cache``. A LoRA
 run's adapters are folded into the weights first (``ft.merge_lora``), so the directory holds a
-plain model. Needs ``transformers`` (``pip install 'ftrain[hf]'``).
+plain model; or, with ``--adapter``, the adapters alone as a PEFT folder (:func:`export_peft`)::
+
+    ftrain export --run runs/l --out ad --adapter
+    peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(M), "ad")
+
+Every export carries the run's chat template (``tokenizer_config.json``'s ``chat_template``), so
+``tokenizer.apply_chat_template`` renders chats as the run was trained on them. Needs
+``transformers`` (``pip install 'ftrain[hf]'``).
 """
 
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +41,7 @@ from ftrain.models import GPT
 
 __all__ = [
     "export_hf",
+    "export_peft",
     "export_gpt",
     "gpt2_config",
     "gpt2_state_dict",
@@ -179,27 +189,114 @@ def _byte_chars() -> dict[int, str]:
     return chars
 
 
-def export_run(run: str | Path, out: str | Path) -> Path:
+def export_run(
+    run: str | Path, out: str | Path, *, adapter: bool = False, model_dir: str | None = None
+) -> Path:
     """``ftrain export``: the newest checkpoint of the run folder ``run`` (or the checkpoint
     folder ``run``) written to ``out`` as a Hugging Face directory, with the params the run
-    evaluates with (LoRA merged, schedule-free averaged)."""
+    evaluates with (LoRA merged, schedule-free averaged), the tokenizer and the run's chat
+    template; with ``adapter``, a LoRA run's adapters as a PEFT folder (:func:`export_peft`).
+    ``model_dir``: the run's model folder when it moved (checked against the run's sha256)."""
+    from ftrain.recipes.finetune import load_run
+
+    loaded = load_run(run, model_dir=model_dir, command="ftrain export")
+    cfg, out = loaded.cfg, Path(out)
+    if adapter:
+        if "lora" not in loaded.state.extra.keys() or not cfg.model_dir:
+            raise SystemExit(
+                f"ftrain export --adapter: {run} is not a LoRA run of a --model-dir model, so it "
+                "has no adapters for peft; export the whole model without --adapter"
+            )
+        export_peft(loaded.state, out, base_model=cfg.model_dir, params=_eval_adapters(loaded))
+    elif cfg.model_dir:  # a Hugging Face model: its own class, dtype and tokenizer files
+        from ftrain.models.hf import load_causal_lm, saved_dtype, saved_use_cache
+
+        model = load_causal_lm(cfg.model_dir, dtype=saved_dtype(cfg.model_dir))
+        model.config.use_cache = saved_use_cache(cfg.model_dir)  # load_causal_lm turned it off
+        export_hf(model.eval(), loaded.params, out)
+    else:
+        export_gpt(loaded.model, loaded.params, out)
+    if cfg.model_dir:
+        _copy_tokenizer(Path(cfg.model_dir), out)
+    _write_template(out, loaded.template)
+    return out
+
+
+def export_peft(
+    state: TensorDictBase, out: str | Path, *, base_model: str | None = None, params=None
+) -> Path:
+    """A LoRA state's adapters as a PEFT folder: ``adapter_config.json`` (``r``, ``lora_alpha``,
+    ``target_modules`` as the targets' full module paths, no dropout, no bias) and
+    ``adapter_model.safetensors`` (``base_model.model.<path>.lora_A.weight`` (r, in) and
+    ``lora_B.weight`` (out, r), peft's names and layouts).
+
+    Guarantees: ``peft.PeftModel.from_pretrained(base, out)``, ``base`` the model the adapters
+    were trained on, gives the logits of ``ft.apply(base, ft.merge_lora(state), x)`` (fp32:
+    1e-5). ``params``: the adapters to write (default ``state.params``; e.g. a schedule-free
+    run's averaged ones). ``base_model``: recorded as ``base_model_name_or_path``.
+    """
+    from safetensors.torch import save_file
+
+    if "lora" not in state.extra.keys():
+        raise ValueError("export_peft(state, ...): state is not a LoRA run's (no extra['lora']).")
+    adapters = tree.to_flat(state.params if params is None else params)
+    layouts = {k: bool(v) for k, v in tree.to_flat(state.extra["lora", "fan_in_fan_out"]).items()}
+    rank = adapters[f"{next(iter(layouts))}.lora_A"].shape[0]
+    tensors = {}
+    for path in layouts:
+        for part in ("lora_A", "lora_B"):
+            weight = adapters[f"{path}.{part}"].detach().to("cpu", torch.float32).contiguous()
+            tensors[f"base_model.model.{path}.{part}.weight"] = weight
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": str(Path(base_model).resolve()) if base_model else None,
+        "r": rank,
+        "lora_alpha": float(state.extra["lora", "scaling"]) * rank,
+        "target_modules": sorted(layouts),
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": any(layouts.values()),  # GPT-2's Conv1D; peft sets it per layer too
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "use_rslora": False,
+        "modules_to_save": None,
+    }
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, out / "adapter_model.safetensors", metadata={"format": "pt"})
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def _eval_adapters(loaded):
+    """The adapters the run evaluates with (``gpt.eval_params`` before merging)."""
+    from ftrain import optim
     from ftrain.recipes import gpt
 
-    latest, cfg = gpt.run_config(run, "ftrain export")
-    params = gpt.eval_params(cfg, ft.load(latest))
-    if cfg.model_dir:  # a Hugging Face model: its own class, its own tokenizer files
-        from ftrain.models.hf import load_causal_lm
-
-        export_hf(load_causal_lm(cfg.model_dir), params, out)
-        _copy_tokenizer(Path(cfg.model_dir), Path(out))
-        return Path(out)
-    return export_gpt(gpt.build_model(cfg), params, out)
+    state = loaded.state
+    if loaded.cfg.optimizer in gpt.SCHEDULE_FREE:
+        return optim.schedule_free_eval_params(state.opt_state, state.params)
+    return state.params
 
 
 def _copy_tokenizer(src: Path, out: Path) -> None:
     import shutil
 
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                 "chat_template.jinja", "generation_config.json"):  # fmt: skip
+                 "generation_config.json"):  # fmt: skip
         if (src / name).exists() and not (out / name).exists():
             shutil.copy2(src / name, out / name)
+
+
+def _write_template(out: Path, template: str | None) -> None:
+    """The run's chat template into ``out/tokenizer_config.json`` (``chat_template``), where
+    ``AutoTokenizer`` reads it; a ``chat_template.jinja`` there, which would win, is replaced."""
+    if template is None:
+        return
+    file = out / "tokenizer_config.json"
+    config = json.loads(file.read_text()) if file.is_file() else {}
+    config["chat_template"] = template
+    file.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+    if (out / "chat_template.jinja").exists():
+        (out / "chat_template.jinja").write_text(template)

@@ -35,10 +35,11 @@ from ftrain.config import TrainConfig
 # The one import of the sharding helpers (the recipe composes the step with the public ft.shard).
 from ftrain.distributed import shard_state, unshard, unshard_state
 from ftrain.io.sharded import is_sharded
-from ftrain.recipes import for_config, gpt
+from ftrain.recipes import finetune, for_config, gpt
 from ftrain.resume import RESUME_FIXED
 from ftrain.sinks import Sink, check_sink, make_sinks
 from ftrain.transforms import TensorParallel
+from ftrain.transforms.lora import join_base, split_base
 
 __all__ = ["RESUME_FIXED", "evaluate", "train"]  # RESUME_FIXED lives in ftrain.resume
 
@@ -66,6 +67,8 @@ def train(cfg: TrainConfig, *, sinks: Sequence[Sink] = ()) -> dict[str, Any]:
             print(fitted, flush=True)
     out = Path(_from_rank0(str(rundir.prepare_out(cfg)) if main else None, world))
     recipe = for_config(cfg).build(cfg, rank=rank, world=world, quiet=not main)
+    if main:  # model.json (the model folder, its sha256) and chat_template.jinja
+        finetune.record_run(out, cfg)
     run = _Run(cfg, rank, world, out, recipe)
     state = recipe.state
     tp = next((t for t in recipe.step.transforms if isinstance(t, TensorParallel)), None)
@@ -157,7 +160,9 @@ def _restore(run: _Run, state: ft.TrainState) -> tuple[ft.TrainState, int]:
             print(f"ftrain train: --resume: no checkpoint in {run.out}; starting from step 0")
         return state, 0
     meta = ft.load_meta(latest)
-    state = resume.load_checked(latest, meta, cfg, state, run.world // cfg.tp, run.main)
+    like, base = finetune.checkpoint_like(state, meta)  # a LoRA checkpoint holds no frozen base
+    state = resume.load_checked(latest, meta, cfg, like, run.world // cfg.tp, run.main)
+    state = join_base(state, base)
     run.recipe.loader.load_state_dict(meta["extra"]["loader"])  # global: the same on every rank
     start = int(state.step)
     if run.main:
@@ -319,7 +324,8 @@ def _save(run: _Run, state: ft.TrainState, saver: ft.Saver) -> None:
         "world_size": run.world,
     }
     if run.main or is_sharded(state):
-        saver.save_checkpoint(run.out, state, keep=cfg.keep, extra=extra)
+        # a LoRA run's checkpoint: the adapters and optimizer state, not the frozen base
+        saver.save_checkpoint(run.out, split_base(state)[0], keep=cfg.keep, extra=extra)
 
 
 def _finish(run: _Run, state: ft.TrainState, report: _Report, interrupted: bool) -> dict[str, Any]:
@@ -350,7 +356,7 @@ def _outputs(
     rundir.plot_losses(report.log.records(), out / "loss.png")
     text = ""
     if cfg.sample_tokens:
-        text = for_config(cfg).sample_text(model, params, "def ", cfg.sample_tokens, seed=cfg.seed)
+        text = finetune.end_sample(out, cfg, model, params)  # a chat model: a chat turn
         (out / "sample.txt").write_text(text)
     print(
         f"ftrain train: {step} steps in {summary['seconds']:.0f} s; "

@@ -84,7 +84,7 @@ def check_global_batch(cfg: TrainConfig, saved: dict, meta: dict, world: int) ->
 # with another value. The others (lr, max_steps, logging, ...) may change on --resume.
 RESUME_FIXED = ("seed", "seq_len", "d_model", "n_layer", "n_head", "bias", "n_experts", "top_k",
                 "batch_size", "data_dir", "model_dir", "data", "pack", "lora_rank", "lora_alpha",
-                "lora_targets")  # fmt: skip
+                "lora_targets", "chat_roles", "chat_template")  # fmt: skip
 _NOT_COMPARED = ("out", "resume", "config", "progress")
 
 

@@ -165,7 +165,7 @@ def test_bad_data_is_counted_and_listed_with_file_and_line(tmp_path):
     assert s.num_docs == 2 and s.masked
     assert s.skipped == {"undecodable": 0, "unreadable": 0, "empty": 1, "invalid": 2}
     assert s.problems[0].startswith(f"{src}:2: not JSON")
-    assert s.problems[1].startswith(f"{src}:3: missing field 'text' or 'messages'")
+    assert s.problems[1].startswith(f"{src}:3: missing field 'text', 'messages'")
     assert s.problems[2] == f"{tmp_path / 'empty.jsonl'}: the file is empty"
     meta = json.loads((tmp_path / "b" / "meta.json").read_text())
     assert meta["problems"] == list(s.problems) and meta["masked"]

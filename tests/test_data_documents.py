@@ -28,7 +28,11 @@ def test_jsonl_text_and_chat_records_and_bad_lines_with_their_line(tmp_path):
     assert docs[1].messages == tuple(chat) and docs[1].text is None
     want = [
         ("invalid", "not JSON"),
-        ("invalid", "missing field 'text' or 'messages' (keys: ['txt'])"),
+        (
+            "invalid",
+            "missing field 'text', 'messages', 'conversations' or 'prompt' and "
+            "'completion' (keys: ['txt'])",
+        ),
         ("invalid", "a list, not an object"),
         ("invalid", "'text' is a int"),
         ("invalid", "messages[0] 'content' is missing, not a string"),
@@ -37,6 +41,51 @@ def test_jsonl_text_and_chat_records_and_bad_lines_with_their_line(tmp_path):
     ]
     for doc, (reason, problem) in zip(docs[2:], want, strict=True):
         assert doc.skip == reason and problem in doc.problem, doc
+
+
+def test_sharegpt_prompt_completion_and_text_parts_read_as_messages(tmp_path):
+    """ShareGPT's from/value (human, gpt: user, assistant), a content of text parts joined,
+    prompt/completion strings (completion as text) and lists (messages, the prompt's counted)."""
+    share = [
+        {"from": "system", "value": "s"},
+        {"from": "human", "value": "hi"},
+        {"from": "gpt", "value": "hello"},
+        {"from": "bot", "value": "x"},
+    ]
+    parts = [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+    ]
+    image = [{"role": "user", "content": [{"type": "image", "url": "x.png"}]}]
+    asked, said = [{"role": "user", "content": "q"}], [{"role": "assistant", "content": "r"}]
+    f = write_jsonl(tmp_path / "d.jsonl", [
+        {"conversations": share}, {"messages": parts}, {"messages": image},
+        {"prompt": "2+2=", "completion": "4"}, {"prompt": asked, "completion": said},
+        {"prompt": "p", "completion": said}, {"prompt": "p", "completion": ""},
+        {"conversations": [{"from": "human"}]},
+    ])  # fmt: skip
+    docs = _docs(f)
+    roles = [(m["role"], m["content"]) for m in docs[0].messages]
+    assert roles == [("system", "s"), ("user", "hi"), ("assistant", "hello"), ("bot", "x")]
+    assert docs[1].messages == ({"role": "user", "content": "ab"},)
+    assert docs[2].skip == "invalid" and "not {'type': 'text'" in docs[2].problem
+    assert (docs[3].prompt, docs[3].text, docs[3].messages) == ("2+2=", "4", None)
+    assert docs[4].messages == (*asked, *said) and docs[4].train_from == 1
+    assert docs[5].skip == "invalid" and "both be strings or both lists" in docs[5].problem
+    assert docs[6].skip == "empty"
+    assert docs[7].skip == "invalid" and "conversations[0] 'value' is missing" in docs[7].problem
+
+
+def test_parquet_conversations_and_prompt_completion_columns(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    share = [[{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]]
+    pq.write_table(pa.table({"conversations": share}), tmp_path / "c.parquet")
+    pq.write_table(pa.table({"prompt": ["a"], "completion": ["b"]}), tmp_path / "p.parquet")
+    (chat,) = _docs(tmp_path / "c.parquet")
+    assert [m["role"] for m in chat.messages] == ["user", "assistant"]
+    (pc,) = _docs(tmp_path / "p.parquet")
+    assert (pc.prompt, pc.text) == ("a", "b")
 
 
 def test_jsonl_lines_end_at_newlines_only(tmp_path):
@@ -89,6 +138,9 @@ def test_parquet_rows_are_documents(tmp_path):
     assert t[1].name == f"{tmp_path / 't.parquet'}:1" and t[1].skip == "invalid"
     assert _docs(tmp_path / "c.parquet")[0].messages == tuple(chat)
     [b] = _docs(tmp_path / "b.parquet")
-    assert b.skip == "invalid" and "no 'text' or 'messages' column" in b.problem
+    assert (
+        b.skip == "invalid"
+        and "no 'text', 'messages', 'conversations' or 'prompt' and" in b.problem
+    )
     [bad] = _docs(tmp_path / "bad.parquet")
     assert bad.skip == "unreadable"

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import ftrain as ft
+from ftrain import tree
 from ftrain.data import ByteTokenizer
 
 from _hf import arithmetic_chats, tiny_hf_dir, write_jsonl
@@ -12,6 +13,7 @@ from _tiny import lm_batch, tiny_gpt
 
 transformers = pytest.importorskip("transformers")
 from ftrain.export import byte_tokenizer, export_gpt, export_hf  # noqa: E402
+from ftrain.transforms.lora import join_base  # noqa: E402
 
 
 def perturbed(model, seed=0):
@@ -102,13 +104,16 @@ def test_ftrain_export_of_a_lora_run(tmp_path, tiny_run):
     assert main(["export", "--run", str(run), "--out", str(out)]) == 0
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
     state = ft.load(ft.latest_checkpoint(run))
+    assert "base" not in state.extra["lora"].keys()  # the checkpoint: adapters, not the base
     model = gpt.build_model(TrainConfig(d_model=32, n_layer=2, n_head=2, seq_len=32))
-    merged = ft.merge_lora(state)
+    merged = ft.merge_lora(join_base(state, ft.params_of(model)))  # the base: the seed's init
     loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
     x = lm_batch(2, vocab=257, length=32)["input"]
     assert (loaded(x).logits - ft.apply(model, merged, x)).abs().max() <= 1e-5
     assert not torch.equal(merged["blocks", "0", "attn", "qkv", "weight"],
-                           state.extra["lora", "base", "blocks", "0", "attn", "qkv", "weight"])  # fmt: skip
+                           ft.params_of(model)["blocks", "0", "attn", "qkv", "weight"])  # fmt: skip
+    with pytest.raises(SystemExit, match="not a LoRA run of a --model-dir model"):
+        main(["export", "--run", str(run), "--out", str(tmp_path / "ad"), "--adapter"])
 
 
 def test_export_refuses_a_run_without_checkpoints(tmp_path):
@@ -152,6 +157,75 @@ def test_model_dir_lora_lowers_the_loss_resumes_and_exports(tmp_path, kind):
     loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
     tok = transformers.AutoTokenizer.from_pretrained(out)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
-    merged = ft.merge_lora(ft.load(ft.latest_checkpoint(a)))
+    state = ft.load(ft.latest_checkpoint(a))
+    merged = ft.merge_lora(join_base(state, ft.params_of(model)))
     x = torch.tensor([tok("what is 3 plus 3?")["input_ids"]])
-    assert (loaded(x).logits - ft.apply(model, merged, x).logits).abs().max() <= 1e-5
+    want = ft.apply(model, merged, x).logits
+    assert (loaded(x).logits - want).abs().max() <= 1e-5
+    # the checkpoint holds the adapters and their optimizer state, not the frozen base
+    leaves = state.to_tensordict().flatten_keys(".").values()
+    saved = sum(t.numel() * t.element_size() for t in leaves)
+    adapters = sum(t.numel() * t.element_size() for t in tree.to_flat(state.params).values())
+    assert "base" not in state.extra["lora"].keys()
+    assert 3 * adapters <= saved <= 3 * adapters + 4096, (saved, adapters)  # + adamw's 2 moments
+    # the adapters as a PEFT folder: peft loads them onto the base with ftrain's logits
+    peft = pytest.importorskip("peft")
+    assert main(["export", "--run", str(a), "--out", str(tmp_path / "ad"), "--adapter"]) == 0
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {
+        p.name for p in (tmp_path / "ad").iterdir()
+    }
+    base_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    with torch.no_grad():
+        adapted = peft.PeftModel.from_pretrained(base_model, tmp_path / "ad").eval()(x).logits
+    assert (adapted - want).abs().max() <= 1e-5
+    assert (want - model(x).logits).abs().max() > 1e-3  # the adapters changed the model
+    # consolidate of a LoRA run refuses, naming the command that merges
+    with pytest.raises(SystemExit):
+        main(["consolidate", "--run", str(a), "--out", str(tmp_path / "c")])
+
+
+def test_a_bf16_model_without_a_template_needs_one_chosen_and_its_export_keeps_all(
+    tmp_path, capsys
+):
+    """A bf16 folder with use_cache on and no chat template: chat data is refused until
+    --chat-template names one (a usage error naming the flag); the export then has the base's
+    dtype, its use_cache and the chosen template, which apply_chat_template renders."""
+    import json
+
+    from ftrain.cli import main
+    from ftrain.data import BUILTIN_CHAT_TEMPLATE, ByteTokenizer, render_chat
+    from ftrain.models.hf import saved_dtype
+
+    folder = tiny_hf_dir(tmp_path / "m", "llama")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    model.config.use_cache = True
+    model.to(torch.bfloat16).save_pretrained(folder)
+    chats = write_jsonl(tmp_path / "chats.jsonl", arithmetic_chats(20))
+    run = tmp_path / "run"
+    flags = ["train", "--model-dir", str(folder), "--data", str(chats), "--seq-len", "32",
+             "--batch-size", "4", "--max-steps", "1", "--eval-every", "0", "--sample-tokens", "0",
+             "--no-progress", "--data-dir", str(tmp_path / "tokens"), "--out", str(run)]  # fmt: skip
+    with pytest.raises(SystemExit) as e:
+        main(flags)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "has none; choose one: --chat-template builtin" in err
+    assert main([*flags, "--chat-template", "builtin"]) == 0
+    out = tmp_path / "hf"
+    assert main(["export", "--run", str(run), "--out", str(out)]) == 0
+    assert saved_dtype(folder) == saved_dtype(out) == torch.bfloat16
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert loaded.config.use_cache is True and loaded.dtype == torch.bfloat16
+    chat = arithmetic_chats(1)[0]["messages"]
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert tok.chat_template == BUILTIN_CHAT_TEMPLATE
+    assert tok.apply_chat_template(chat, tokenize=False) == render_chat(ByteTokenizer(), chat)
+    # a full fine-tune's checkpoint holds every weight: another folder is a note, not a refusal
+    other = tiny_hf_dir(tmp_path / "other", "llama", seed=1)
+    capsys.readouterr()
+    assert main(["export", "--run", str(run), "--out", str(tmp_path / "hf2"),
+                 "--model-dir", str(other)]) == 0  # fmt: skip
+    err = capsys.readouterr().err
+    assert "are not those the run was trained from" in err and "only the folder's config" in err

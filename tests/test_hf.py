@@ -138,3 +138,28 @@ def test_packed_rows_give_each_document_its_losses_alone(tmp_path, kind):
         torch.testing.assert_close(packed, alone, rtol=0, atol=1e-5)
     leaky, alone, _ = packed_and_alone(lambda x, pos: model(x).logits, rows[0])
     assert (leaky - alone).abs().max() > 1e-3  # without position_ids, documents see each other
+
+
+def test_attn_implementation_reaches_the_model_and_bad_ones_are_refused(tmp_path):
+    """--attn-implementation: eager and sdpa load the kernel they name with the same logits;
+    an unknown name, flash_attention_2 without flash-attn, or no --model-dir, a clear error."""
+    import importlib.util
+
+    from ftrain.config import TrainConfig
+
+    folder = tiny_hf_dir(tmp_path / "m", "llama")
+    x = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(0))
+    logits = {}
+    for name in ("eager", "sdpa"):
+        model = load_causal_lm(folder, attn_implementation=name).eval()
+        assert model.config._attn_implementation == name
+        with torch.no_grad():
+            logits[name] = model(x).logits
+    torch.testing.assert_close(logits["eager"], logits["sdpa"], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="must be one of sdpa, eager, flash_attention_2"):
+        TrainConfig(model_dir=str(folder), attn_implementation="flash").validate()
+    with pytest.raises(ValueError, match="applies to a --model-dir model"):
+        TrainConfig(attn_implementation="eager").validate()
+    if importlib.util.find_spec("flash_attn") is None:
+        with pytest.raises(ValueError, match="needs the flash-attn package.* use --attn-impl"):
+            TrainConfig(model_dir=str(folder), attn_implementation="flash_attention_2").validate()

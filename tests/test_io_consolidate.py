@@ -87,3 +87,18 @@ def test_max_shard_size_is_read_by_the_one_byte_size_parser():
     for bad in ("", "5 apples", 0, "-1GB"):
         with pytest.raises(ValueError, match="max_shard_size"):
             parse_size(bad)
+
+
+def test_a_lora_checkpoint_is_refused_with_the_command_that_merges(tmp_path, capsys):
+    from ftrain.transforms.lora import split_base
+
+    model = tiny_gpt()
+    lora = ft.lora(model, rank=2, targets=["attn.qkv"])
+    state = lora.init_state(ft.params_of(model), ft.optim.adamw(1e-3))
+    ft.save(split_base(state)[0], tmp_path / "ckpt")
+    with pytest.raises(ValueError, match=r"LoRA run's checkpoint.*ftrain export --run .*ckpt"):
+        ft.consolidate(tmp_path / "ckpt", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(SystemExit) as e:
+        main(["consolidate", "--run", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out")])
+    assert e.value.code == 2 and "--adapter for a PEFT adapter folder" in capsys.readouterr().err

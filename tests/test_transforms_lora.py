@@ -12,7 +12,7 @@ import ftrain as ft
 from ftrain import tree
 from ftrain.testing import assert_one_graph, assert_steps_close, saved_activation_bytes
 
-from _tiny import lm_batch, lm_loss, tiny_gpt
+from _tiny import assert_trees_close, lm_batch, lm_loss, tiny_gpt
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
@@ -245,8 +245,9 @@ def _final(path):
 
 
 def test_a_lora_run_resumes_bit_for_bit(tmp_path, tiny_run):
-    """8 steps == 4 steps + --resume to 8 (adapters, optimizer state, frozen base, data position);
-    the checkpoint's params are the adapters only, its optimizer state theirs."""
+    """8 steps == 4 steps + --resume to 8 (adapters, optimizer state, data position; the frozen
+    base rebuilt); the checkpoint's params are the adapters only, its optimizer state theirs,
+    and it holds no base."""
     from ftrain.cli import main
 
     common = [*tiny_run, "--lora-rank", "2", "--lora-alpha", "4", "--lora-targets",
@@ -262,9 +263,8 @@ def test_a_lora_run_resumes_bit_for_bit(tmp_path, tiny_run):
     params = [k for k in ta.keys() if k.startswith("params.")]
     assert params and all(".lora_" in k for k in params)
     assert not [k for k in ta.keys() if k.startswith("opt_state.") and k.endswith("weight")]
-    assert "extra.lora.base.wte.weight" in ta.keys()
-    # the frozen base is the model the run was initialized with
-    assert ta["extra.lora.base.wte.weight"].std() == pytest.approx(0.02, rel=0.1)
+    # the checkpoint leaves the frozen base out: it is the model's (here the seed's) own weights
+    assert not [k for k in ta.keys() if ".base." in k] and "extra.lora.scaling" in ta.keys()
 
 
 def test_the_lora_settings_are_config_file_keys(tmp_path):
@@ -284,3 +284,26 @@ def test_a_lora_target_that_matches_nothing_is_a_usage_error(tmp_path, tiny_run)
     with pytest.raises(SystemExit, match=r"--lora-targets attn\.q: .*selects no linear layer"):
         main(["train", *tiny_run, "--lora-rank", "2", "--lora-targets", "attn.q",
               "--out", str(tmp_path / "r")])  # fmt: skip
+
+
+def test_split_base_leaves_what_training_changed_and_join_base_restores_it():
+    """A LoRA checkpoint's state: no frozen base; joined with the model's params it merges and
+    steps as the original; without it, merge_lora and the step say how to put it back."""
+    from ftrain.transforms.lora import join_base, split_base
+
+    model = tiny_gpt()
+    opt = ft.optim.adamw(1e-2)
+    lora = ft.lora(model, rank=2, targets=["attn.qkv", "mlp.fc"])
+    step = lora(ft.train_step(lm_loss(model), opt))
+    state, _ = step(lora.init_state(ft.params_of(model), opt), lm_batch(4))
+    light, base = split_base(state)
+    assert "base" not in light.extra["lora"].keys() and "base" in state.extra["lora"].keys()
+    assert split_base(light) == (light, None) and join_base(light, None) is light
+    joined = join_base(light, ft.params_of(model))
+    assert_trees_close(ft.merge_lora(joined), ft.merge_lora(state), tol=0)
+    assert_trees_close(step(joined, lm_batch(4, seed=1))[0].params,
+                       step(state, lm_batch(4, seed=1))[0].params, tol=0)  # fmt: skip
+    with pytest.raises(ValueError, match=r"holds the adapters but not the frozen base.*join_base"):
+        ft.merge_lora(light)
+    with pytest.raises(ValueError, match="join_base"):
+        step(light, lm_batch(4))

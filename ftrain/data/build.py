@@ -37,7 +37,13 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from ftrain.data.chat import BUILTIN_CHAT_TEMPLATE, encode_chat
+from ftrain.data.chat import (
+    BUILTIN_CHAT_TEMPLATE,
+    empty_mask_error,
+    encode_chat,
+    encode_completion,
+    parse_chat_roles,
+)
 from ftrain.data.documents import SKIP_REASONS, read_documents
 from ftrain.data.tokenizers import ByteTokenizer
 from ftrain.io import atomic
@@ -120,9 +126,14 @@ def _as_items(sources: Any) -> list[Path | tuple[str, str]]:
     return items
 
 
-def _sources_fingerprint(items: list[Path | tuple[str, str]], tokenizer_fp: str) -> str:
-    """Cheap identity of the sources: path, size and mtime of files (like make), hash of texts."""
-    h = hashlib.sha256(f"{FORMAT}|{tokenizer_fp}|{BUILTIN_CHAT_TEMPLATE}\n".encode())
+def _sources_fingerprint(
+    items: list[Path | tuple[str, str]], tokenizer_fp: str, roles: dict[str, str] | None = None
+) -> str:
+    """Cheap identity of the sources: path, size and mtime of files (like make), hash of texts;
+    with the tokenizer and the chat roles, which change the tokens and the mask."""
+    renamed = f"|{sorted(roles.items())}" if roles else ""  # no roles: as before they existed
+    head = f"{FORMAT}|{tokenizer_fp}|{BUILTIN_CHAT_TEMPLATE}{renamed}\n"
+    h = hashlib.sha256(head.encode())
     for item in items:
         if isinstance(item, Path):
             try:
@@ -229,6 +240,7 @@ def build_token_dataset(
     *,
     progress: bool = True,
     force: bool = False,
+    chat_roles: str | dict[str, str] | None = None,
 ) -> BuildSummary:
     """Tokenize `sources` once into `out_dir`: a memory-mapped token file plus a document index.
 
@@ -237,9 +249,14 @@ def build_token_dataset(
         text file or pair, one per line of a `.jsonl`, one per row of a `.parquet`); each is
         followed by `eot_id`. The token file uses the smallest unsigned dtype that holds the
         vocabulary (`uint16` for `ByteTokenizer`).
-      - Chat documents (`messages`) are rendered with `ftrain.data.encode_chat`, and a loss mask
-        is written beside the tokens (`mask.bin`: 1 on the assistant's tokens, and on a
-        document's eot when its last token is; 1 on every token of a text document).
+      - Chat documents (`messages`, ShareGPT `conversations`) are rendered with
+        `ftrain.data.encode_chat`, their roles renamed by `chat_roles` first, and a loss mask is
+        written beside the tokens (`mask.bin`: 1 on the assistant's tokens, and on a document's
+        eot when its last token is; 1 on every token of a text document); a `prompt` /
+        `completion` record's mask is 1 on the completion only (`encode_completion`). A chat
+        with nothing to learn (no assistant message) is skipped as "empty", and data whose loss
+        mask is empty altogether is refused (`DataError`: the roles seen, counted, and the
+        `--chat-roles` that would fix it) before anything is written.
       - Files that are not valid UTF-8, and texts the tokenizer cannot encode (a lone surrogate
         such as U+D800 has no UTF-8) are skipped and counted as "undecodable", files that cannot
         be read as "unreadable", empty texts as "empty", records of the wrong shape (a JSONL line
@@ -261,8 +278,12 @@ def build_token_dataset(
             is `vocab_size` (or one past the largest id seen) and the vocabulary grows by one.
         progress: show a progress bar (tqdm) while tokenizing.
         force: rebuild even if a valid build of the same sources is there.
+        chat_roles: chat roles renamed before rendering (`{"human": "user", "gpt":
+            "assistant"}` or `"human=user,gpt=assistant"`: `ftrain.data.parse_chat_roles`).
 
     Raises:
+        DataError: the loss mask is empty (no document has a token to learn), or a chat
+            document meets a model tokenizer without a chat template (`ftrain.data.template_of`).
         ValueError: no source gave a document (an empty corpus), or the tokenizer produced an id
             outside [0, vocab_size).
         TypeError: a source is neither a path nor a (name, text) pair, or the tokenizer has no
@@ -276,7 +297,8 @@ def build_token_dataset(
         )
     out = Path(out_dir)
     items = _as_items(sources)
-    fingerprint = _sources_fingerprint(items, _tokenizer_fingerprint(tokenizer))
+    roles = parse_chat_roles(chat_roles)
+    fingerprint = _sources_fingerprint(items, _tokenizer_fingerprint(tokenizer), roles)
     t0 = time.perf_counter()
 
     if not force:
@@ -292,6 +314,7 @@ def build_token_dataset(
     skipped = dict.fromkeys(SKIP_REASONS, 0)
     skipped_files: list[str] = []
     problems: list[str] = []
+    seen: dict[str, int] = {}  # chat roles (renamed), counted over every message
 
     def skip(reason: str, name: str, problem: str = "") -> None:
         skipped[reason] += 1
@@ -307,7 +330,16 @@ def build_token_dataset(
             mask = None
             try:
                 if doc.messages is not None:
-                    ids, mask = encode_chat(tokenizer, doc.messages)
+                    msgs = [{**m, "role": roles.get(m["role"], m["role"])} for m in doc.messages]
+                    for m in msgs:
+                        seen[m["role"]] = seen.get(m["role"], 0) + 1
+                    ids, mask = encode_chat(tokenizer, msgs, train_from=doc.train_from)
+                    if not mask.any():
+                        learnt = ", ".join(sorted({m["role"] for m in msgs}))
+                        skip("empty", doc.name, f"no assistant message to learn (roles: {learnt})")
+                        continue
+                elif doc.prompt is not None:
+                    ids, mask = encode_completion(tokenizer, doc.prompt, doc.text)
                 elif encode_array is not None:
                     ids = encode_array(doc.text)
                 else:
@@ -326,6 +358,8 @@ def build_token_dataset(
             arrays.append(ids)
             masks.append(mask)
 
+    if not arrays and seen:
+        raise empty_mask_error(seen, roles, sum(skipped.values()) - skipped["empty"], problems)
     if not arrays:
         n_skipped = sum(skipped.values())
         raise ValueError(

@@ -6,10 +6,19 @@
 
 What one file gives, by its suffix:
 
-    .jsonl     one document a line: {"text": "..."}, or a chat {"messages": [{"role": "user",
-               "content": "..."}, {"role": "assistant", "content": "..."}, ...]}, whose loss is
-               on the assistant's tokens only (see ``ftrain.data.chat``); blank lines are ignored
-    .parquet   one document a row, from a ``text`` or a ``messages`` column (read with pyarrow)
+    .jsonl     one document a line (blank lines are ignored), one of these records:
+                 {"text": "..."}
+                 {"messages": [{"role": "user", "content": "..."},
+                               {"role": "assistant", "content": "..."}, ...]}
+                 {"conversations": [{"from": "human", "value": "..."},
+                                    {"from": "gpt", "value": "..."}, ...]}     (ShareGPT)
+                 {"prompt": "...", "completion": "..."}  (strings, or lists of messages)
+               a chat's loss is on the assistant's tokens only, a prompt/completion's on the
+               completion only (see ``ftrain.data.chat``); a message's ``content`` may be a list
+               of text parts ([{"type": "text", "text": "..."}], joined); ShareGPT's ``human``
+               and ``gpt`` are the roles ``user`` and ``assistant`` (others: ``--chat-roles``)
+    .parquet   one document a row, from a ``text``, ``messages``, ``conversations`` or
+               ``prompt`` and ``completion`` columns (read with pyarrow)
     others     the whole file is one UTF-8 text document
 
 Bad data never stops a build and is never silently dropped: it comes back as a Document with
@@ -26,10 +35,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SKIP_REASONS", "Document", "check_messages", "data_files", "read_documents"]
+__all__ = [
+    "SHAREGPT_ROLES",
+    "SKIP_REASONS",
+    "DataError",
+    "Document",
+    "check_messages",
+    "data_files",
+    "read_documents",
+]
 
 # undecodable: not UTF-8; unreadable: an OS error; empty: no text; invalid: not the expected shape
 SKIP_REASONS = ("undecodable", "unreadable", "empty", "invalid")
+# ShareGPT's speaker names ("from") for the roles chat templates know.
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant"}
+
+
+class DataError(ValueError):
+    """Data that cannot train what it should (a chat with nothing to learn, no chat template to
+    render it with): its message names what was seen and the flag that fixes it. Raised before
+    the first step; ``ftrain train`` reports it as a usage error."""
 
 
 @dataclass(frozen=True)
@@ -37,12 +62,16 @@ class Document:
     """One document (``text`` or chat ``messages``), or a skipped one (``skip`` is set).
 
     ``name`` says where it came from: the file, plus ``:LINE`` (JSON Lines, 1-based) or ``:ROW``
-    (Parquet, 0-based row) for a file of many documents.
+    (Parquet, 0-based row) for a file of many documents. A ``prompt``/``completion`` record is
+    ``text=completion`` with its ``prompt`` (plain strings: ``prompt + text`` is the document,
+    the loss on ``text``), or ``messages`` whose first ``train_from`` are the prompt's.
     """
 
     name: str
     text: str | None = None
     messages: tuple[dict[str, str], ...] | None = None
+    prompt: str | None = None  # a prompt/completion record of strings: text is the completion
+    train_from: int = 0  # messages before this index are context only (a prompt's)
     skip: str | None = None  # one of SKIP_REASONS, or None for a document to use
     problem: str = ""  # for a skipped document: what is wrong, in words
 
@@ -128,45 +157,106 @@ def _read_parquet(path: Path) -> Iterator[Document]:
     except Exception as e:  # pyarrow raises ArrowInvalid (a ValueError) or OSError
         yield Document(str(path), skip="unreadable", problem=f"not a Parquet file ({e})")
         return
-    columns = [c for c in ("messages", "text") if c in file.schema_arrow.names]
-    if not columns:
+    names = file.schema_arrow.names
+    columns = next((kind for kind in _KINDS if set(kind) <= set(names)), None)
+    if columns is None:
         yield Document(
             str(path),
             skip="invalid",
-            problem=f"no 'text' or 'messages' column (columns: {file.schema_arrow.names})",
+            problem=f"no 'text', 'messages', 'conversations' or 'prompt' and 'completion' "
+            f"column (columns: {names})",
         )
         return
     if file.metadata.num_rows == 0:
         yield Document(str(path), skip="empty", problem="the file has no rows")
         return
     row = 0
-    for batch in file.iter_batches(columns=columns[:1]):
-        for value in batch.column(0).to_pylist():
-            yield _from_record(f"{path}:{row}", {columns[0]: value})
+    for batch in file.iter_batches(columns=list(columns)):
+        for record in batch.to_pylist():
+            yield _from_record(f"{path}:{row}", record)
             row += 1
 
 
+# The columns of each kind of record, in the order a file's columns are matched against them.
+_KINDS = (("messages",), ("conversations",), ("prompt", "completion"), ("text",))
+
+
 def _from_record(where: str, record: Any) -> Document:
-    """A JSON object (a JSONL line, a Parquet row) as a Document: its "messages" or its "text"."""
+    """A JSON object (a JSONL line, a Parquet row) as a Document: its ``messages``, ShareGPT
+    ``conversations``, ``prompt`` and ``completion``, or ``text``."""
     if not isinstance(record, dict):
         return Document(where, skip="invalid", problem=f"a {type(record).__name__}, not an object")
-    if "messages" in record:
-        problem = check_messages(record["messages"])
-        if problem:
-            return Document(where, skip="invalid", problem=problem)
-        if not record["messages"]:
-            return Document(where, skip="empty", problem="'messages' is an empty list")
-        msgs = tuple({"role": m["role"], "content": m["content"]} for m in record["messages"])
+    if "messages" in record or "conversations" in record:
+        key = "messages" if "messages" in record else "conversations"
+        msgs = _messages(record[key], key)
+        if isinstance(msgs, str):
+            return Document(where, skip="invalid", problem=msgs)
+        if not msgs:
+            return Document(where, skip="empty", problem=f"{key!r} is an empty list")
         return Document(where, messages=msgs)
+    if "prompt" in record and "completion" in record:
+        return _prompt_completion(where, record["prompt"], record["completion"])
     if "text" not in record:
         keys = sorted(record)[:8]
         return Document(
-            where, skip="invalid", problem=f"missing field 'text' or 'messages' (keys: {keys})"
+            where,
+            skip="invalid",
+            problem=f"missing field 'text', 'messages', 'conversations' or 'prompt' and "
+            f"'completion' (keys: {keys})",
         )
     text = record["text"]
     if not isinstance(text, str):
         return Document(where, skip="invalid", problem=f"'text' is a {type(text).__name__}")
     return Document(where, text=text) if text else Document(where, skip="empty", problem="''")
+
+
+def _prompt_completion(where: str, prompt: Any, completion: Any) -> Document:
+    if isinstance(prompt, str) and isinstance(completion, str):
+        if not completion:
+            return Document(where, skip="empty", problem="'completion' is ''")
+        return Document(where, text=completion, prompt=prompt)
+    if type(prompt) is not type(completion):
+        return Document(
+            where, skip="invalid", problem="'prompt' and 'completion' must both be strings or "
+            "both lists of messages",
+        )  # fmt: skip
+    asked, said = _messages(prompt, "prompt"), _messages(completion, "completion")
+    for problem in (asked, said):
+        if isinstance(problem, str):
+            return Document(where, skip="invalid", problem=problem)
+    return Document(where, messages=asked + said, train_from=len(asked))
+
+
+def _messages(value: Any, key: str) -> tuple[dict[str, str], ...] | str:
+    """A record's list of messages as ``({"role", "content"}, ...)`` with text contents, or what
+    is wrong with it. ShareGPT's ``{"from", "value"}`` become role and content (``human`` and
+    ``gpt``: ``user`` and ``assistant``); a content of text parts is their texts joined."""
+    if not isinstance(value, list):
+        return f"{key!r} is a {type(value).__name__}, not a list"
+    out = []
+    for i, m in enumerate(value):
+        if isinstance(m, dict) and "from" in m and "role" not in m:  # ShareGPT
+            who, value = m["from"], m.get("value")
+            if not isinstance(value, str):
+                got = "missing" if "value" not in m else f"a {type(value).__name__}"
+                return f"{key}[{i}] 'value' is {got}, not a string"
+            m = {"role": SHAREGPT_ROLES.get(who, who), "content": value}
+        if isinstance(m, dict) and isinstance(m.get("content"), list):
+            parts = m["content"]
+            texts = [
+                p.get("text") for p in parts if isinstance(p, dict) and p.get("type") == "text"
+            ]
+            if len(texts) != len(parts) or not all(isinstance(t, str) for t in texts):
+                return (
+                    f"{key}[{i}] 'content' holds a part that is not {{'type': 'text', 'text': "
+                    "...}} (only text is trained)"
+                )
+            m = {**m, "content": "".join(texts)}
+        problem = check_messages([m])
+        if problem:
+            return problem.replace("messages[0]", f"{key}[{i}]", 1)
+        out.append({"role": m["role"], "content": m["content"]})
+    return tuple(out)
 
 
 def check_messages(messages: Any) -> str:

@@ -46,7 +46,8 @@ def consolidate(
     its file, as Hugging Face writes them. Keys are module paths: ``module.load_state_dict``
     loads each file (``strict=False`` across files of a split). ``out`` is committed atomically
     (it may not hold anything but such files). Returns the tensor files written, in order.
-    Runs in one process; holds one whole tensor at a time.
+    Runs in one process; holds one whole tensor at a time. A LoRA run's checkpoint (adapters
+    only) is refused with the ``ftrain export`` command that merges it.
     """
     limit = parse_bytes(max_shard_size, "max_shard_size")
     path = Path(path)
@@ -56,6 +57,13 @@ def consolidate(
             raise CheckpointError(f"ft.consolidate: no checkpoint in {path} that verifies.")
         path = latest
     meta = load_meta(path)
+    if "lora" in meta["tree"].get("extra", {}):  # params: adapters, which load into no model
+        raise ValueError(
+            f"ft.consolidate: {path} is a LoRA run's checkpoint: its params are the adapters "
+            "(the frozen base is the model's own weights, not saved), which no model loads. "
+            f"Write the merged model with: ftrain export --run {path} --out {out} (or add "
+            "--adapter for a PEFT adapter folder)"
+        )
     index = reshard.index_of(meta)
     names = [k for k in index if k.startswith("params.")]
     groups, size = [[]], 0

@@ -19,6 +19,9 @@ padding makes wrong under ``ft.accumulate``; the step warns (``ft.losses.ScalarL
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
+import json
 import os
 from pathlib import Path
 
@@ -62,8 +65,16 @@ def tiny_gpt2(
     return GPT2LMHeadModel(config)
 
 
+# --attn-implementation: the attention kernels transformers offers (flash_attention_2 needs the
+# flash-attn package and a CUDA GPU).
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
+
+
 def load_causal_lm(
-    model_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float32
+    model_dir: str | os.PathLike,
+    *,
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str | None = None,
 ) -> nn.Module:
     """The causal language model saved in ``model_dir`` by ``save_pretrained``, read from local
     files only (``local_files_only=True``: never the network, no remote code).
@@ -72,7 +83,9 @@ def load_causal_lm(
     the weights of its ``*.safetensors`` files (no pickle is read), in ``dtype`` (float32 by
     default: ftrain keeps params in float32 and lowers the forward with ``--precision``), in
     training mode, with the KV cache off (``config.use_cache = False``: generation turns it on
-    per call). Call it as ``model(input_ids, position_ids=...).logits`` -> (B, T, vocab); train
+    per call), with the attention kernel ``attn_implementation`` (:data:`ATTN_IMPLEMENTATIONS`;
+    None: transformers' default). Call it as ``model(input_ids, position_ids=...).logits`` ->
+    (B, T, vocab); train
     it through ``ft.apply(model, params, ...)`` with ``params = ft.params_of(model)``. Its
     tokenizer: ``ftrain.data.load_tokenizer(model_dir)``.
 
@@ -80,18 +93,22 @@ def load_causal_lm(
         FileNotFoundError: ``model_dir`` is not a directory, or lacks ``config.json`` or
             safetensors weights; the message names what is missing and how to write it.
         ImportError: ``transformers`` is not installed (``pip install 'ftrain[hf]'``).
+        ValueError: an ``attn_implementation`` that is not offered or not installed.
     """
     path = Path(model_dir)
     check_model_dir(path)
+    check_attn_implementation(attn_implementation)
     try:
         from transformers import AutoModelForCausalLM
     except ImportError as e:
         raise ImportError(
             f"load_causal_lm({str(path)!r}) needs transformers: pip install 'ftrain[hf]'"
         ) from e
+    attn = {"attn_implementation": attn_implementation} if attn_implementation else {}
     model = AutoModelForCausalLM.from_pretrained(
-        path, local_files_only=True, dtype=dtype, use_safetensors=True, trust_remote_code=False
-    )
+        path, local_files_only=True, dtype=dtype, use_safetensors=True, trust_remote_code=False,
+        **attn,
+    )  # fmt: skip
     model.config.use_cache = False
     return model.train()
 
@@ -114,3 +131,70 @@ def check_model_dir(path: str | os.PathLike) -> Path:
             f"not read); {fix}, or save with safe_serialization=True"
         )
     return path
+
+
+def check_attn_implementation(name: str | None, model_dir: str | None = "") -> None:
+    """Refuse an ``--attn-implementation`` that cannot run: not one of
+    :data:`ATTN_IMPLEMENTATIONS`, ``flash_attention_2`` without the ``flash_attn`` package, or
+    any of them without a ``--model-dir`` (pass ``model_dir=None`` to check that; the built-in
+    GPT always runs ``scaled_dot_product_attention``). A ValueError naming the flag and the fix."""
+    if name is None:
+        return
+    if name not in ATTN_IMPLEMENTATIONS:
+        raise ValueError(
+            f"--attn-implementation must be one of {', '.join(ATTN_IMPLEMENTATIONS)}, got {name!r}"
+        )
+    if model_dir is None:
+        raise ValueError(
+            f"--attn-implementation {name} applies to a --model-dir model; the built-in GPT "
+            "always runs torch's scaled_dot_product_attention (flash attention on a GPU): drop it"
+        )
+    if name == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        raise ValueError(
+            "--attn-implementation flash_attention_2 needs the flash-attn package, which is not "
+            "installed (pip install flash-attn, on a CUDA machine); use --attn-implementation "
+            "sdpa, which runs flash attention kernels through torch where it can"
+        )
+
+
+def weight_files(model_dir: str | os.PathLike) -> list[Path]:
+    """The ``*.safetensors`` weight files of a model folder, sorted by name."""
+    return sorted(Path(model_dir).glob("*.safetensors"))
+
+
+def weights_sha256(model_dir: str | os.PathLike) -> dict[str, str]:
+    """``{file name: sha256}`` of the folder's weight files: the model's identity, whatever its
+    path. Reads every byte once (about a second per GB)."""
+    digests = {}
+    for f in weight_files(model_dir):
+        h = hashlib.sha256()
+        with open(f, "rb") as fh:
+            while chunk := fh.read(1 << 24):
+                h.update(chunk)
+        digests[f.name] = h.hexdigest()
+    return digests
+
+
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+                       "F64": torch.float64}  # fmt: skip
+
+
+def saved_dtype(model_dir: str | os.PathLike) -> torch.dtype:
+    """The floating dtype the folder's weights are stored in (the most common one among its
+    tensors, read from the safetensors headers only); float32 if it has none."""
+    counts: dict[torch.dtype, int] = {}
+    for f in weight_files(model_dir):
+        with open(f, "rb") as fh:  # safetensors: 8-byte little-endian length, then JSON
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        for name, info in header.items():
+            dtype = _SAFETENSORS_DTYPES.get(info.get("dtype")) if name != "__metadata__" else None
+            if dtype is not None:
+                counts[dtype] = counts.get(dtype, 0) + 1
+    return max(counts, key=counts.get) if counts else torch.float32
+
+
+def saved_use_cache(model_dir: str | os.PathLike) -> bool:
+    """The folder's ``config.json`` ``use_cache`` (True when it says nothing, as transformers
+    reads it); what an export writes back, since :func:`load_causal_lm` turns it off."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return bool(config.get("use_cache", True))

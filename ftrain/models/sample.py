@@ -11,6 +11,7 @@ torch.Size([1, 8])
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 
 import torch
 import torch.nn as nn
@@ -26,6 +27,7 @@ def generate(
     generator: torch.Generator | None = None,
     *,
     seq_len: int | None = None,
+    stop_sequences: Sequence[Sequence[int]] = (),
 ) -> torch.Tensor:
     """Extend token ids ``idx`` (B, T) by ``max_new_tokens`` sampled tokens; returns (B, T + n).
 
@@ -33,6 +35,9 @@ def generate(
     which must map (B, t) ids to (B, t, vocab) logits (or an object with ``.logits``, as Hugging
     Face models return), and samples the next token from ``softmax(logits[:, -1] / temperature)``
     restricted to the ``top_k`` most likely tokens. ``temperature=0`` is greedy decoding.
+    ``stop_sequences`` (lists of ids, e.g. the end-of-turn token's) end generation early, once
+    every row's new tokens end with one of them (a row that ended before the others goes on
+    being sampled: cut each row at its first stop).
 
     Guarantees: the prompt is returned unchanged as the first T columns; every sampled token is
     among the ``top_k`` highest logits at its step; with the same ``generator`` state the output is
@@ -64,6 +69,9 @@ def generate(
             "call model.eval() first.",
             stacklevel=3,  # point at the caller, past the no_grad wrapper
         )
+    stops = [list(s) for s in stop_sequences if len(s)]
+    ended = [False] * idx.size(0)
+    start = idx.size(1)
     for _ in range(max_new_tokens):
         out = model(idx[:, -seq_len:])  # crop the context to the position table
         logits = getattr(out, "logits", out)[:, -1, :]  # (B, vocab): the last position only
@@ -76,4 +84,9 @@ def generate(
             probs = torch.softmax(logits / temperature, dim=-1)  # (B, vocab)
             idx_next = torch.multinomial(probs, 1, generator=generator)  # (B, 1)
         idx = torch.cat([idx, idx_next], dim=1)  # (B, T + 1)
+        if stops:
+            tails = idx[:, start:].tolist()  # a host sync per token: only when stopping
+            ended = [e or any(t[-len(s) :] == s for s in stops) for e, t in zip(ended, tails)]
+            if all(ended):
+                break
     return idx

@@ -11,7 +11,6 @@ Face model from a folder (``ftrain train --model-dir DIR``).
 
 from pathlib import Path
 
-import ftrain as ft
 from ftrain.recipes import gpt, hf
 
 __all__ = ["for_config", "gpt", "hf", "sample"]
@@ -25,18 +24,21 @@ def for_config(cfg):
 
 def sample(
     run: str | Path,
-    prompt: str,
+    prompt: str | None,
     max_new_tokens: int,
     temperature: float,
     top_k: int | None,
     seed: int = 0,
+    *,
+    chat: str | None = None,
+    model_dir: str | None = None,
 ) -> str:
     """``ftrain sample``: the recipe's ``sample_text`` from the newest valid checkpoint of the run
     folder ``run`` (or the checkpoint folder ``run``), with the model its saved settings describe
-    (the built-in GPT, or the ``--model-dir`` folder's) and the params ``gpt.eval_params`` gives."""
-    latest, cfg = gpt.run_config(run)
-    recipe = for_config(cfg)
-    model, params = recipe.build_model(cfg), gpt.eval_params(cfg, ft.load(latest))
-    return recipe.sample_text(
-        model, params, prompt, max_new_tokens, temperature=temperature, top_k=top_k, seed=seed
-    )
+    (the built-in GPT, or the ``--model-dir`` folder's: ``model_dir`` points elsewhere) and the
+    params ``gpt.eval_params`` gives; ``chat``: the reply to that user message. See
+    ``ftrain.recipes.finetune.sample``."""
+    from ftrain.recipes import finetune
+
+    return finetune.sample(run, prompt, max_new_tokens, temperature, top_k, seed, chat=chat,
+                           model_dir=model_dir)  # fmt: skip

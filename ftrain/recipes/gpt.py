@@ -124,7 +124,10 @@ def build_data(
 
 
 def _build_tokens(cfg: TrainConfig, path, tokenizer, quiet: bool) -> None:
-    summary = data.build_token_dataset(corpus.sources(cfg), path, tokenizer, progress=not quiet)
+    # chats rendered with --chat-template (default: the tokenizer's), roles renamed by --chat-roles
+    tokenizer = data.with_chat_template(tokenizer or data.ByteTokenizer(), cfg.chat_template)
+    summary = data.build_token_dataset(corpus.sources(cfg), path, tokenizer, progress=not quiet,
+                                       chat_roles=cfg.chat_roles)  # fmt: skip
     if not quiet:
         corpus.report_build(summary)  # what it skipped, and why
 

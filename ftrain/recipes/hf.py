@@ -60,7 +60,7 @@ def build_model(cfg: TrainConfig, tokenizer=None) -> nn.Module:
     """The model of ``cfg.model_dir`` (``load_causal_lm``: float32, training mode), checked
     against the run: ``--seq-len`` within its context, its vocabulary holding the tokenizer's
     ids, and ``--pack`` only for a model whose forward takes ``position_ids``."""
-    model = load_causal_lm(cfg.model_dir)
+    model = load_causal_lm(cfg.model_dir, attn_implementation=cfg.attn_implementation)
     limit = context_length(model)
     if limit is not None and cfg.seq_len > limit:
         raise ValueError(

@@ -2,7 +2,9 @@
 
 Freezing is not differentiating: the step's params (what the gradient engine differentiates and
 the optimizer keeps state for) are the adapters only, and the frozen base lives in
-``state.extra["lora"]``, saved, resumed and sharded with the rest of the state. Each forward
+``state.extra["lora", "base"]``, sharded with the rest of the state. A checkpoint needs only what
+training changed: :func:`split_base` takes the base out before saving (``ftrain train`` does) and
+:func:`join_base` puts the model's back after loading. Each forward
 (the ``loss_params`` hook) hands the loss function the base with every targeted weight replaced
 by ``W + (alpha / rank) * B @ A``, so the user's ``ft.apply(model, params, ...)`` runs the model
 unchanged: no module is rewritten, and every transform composes with it as with full training.
@@ -33,7 +35,7 @@ from ftrain import tree
 from ftrain.state import TrainState
 from ftrain.step import Transform
 
-__all__ = ["Lora", "lora", "merge_lora", "lora_targets", "ALL_LINEAR"]
+__all__ = ["Lora", "lora", "merge_lora", "lora_targets", "split_base", "join_base", "ALL_LINEAR"]
 
 # The targets pattern that selects every linear layer except the output head (peft's name).
 ALL_LINEAR = "all-linear"
@@ -114,6 +116,7 @@ class Lora(Transform):
                 "ft.lora: the state holds no frozen base (state.extra['lora']); create it with "
                 "lora.init_state(params, optimizer), where lora = ft.lora(model, ...)."
             )
+        _check_has_base(state, "ft.lora")
         return state
 
     def loss_params(self, params: TensorDict, state: TrainState) -> TensorDict:
@@ -231,6 +234,7 @@ def merge_lora(state: TrainState) -> TensorDict:
             + (type(state).__name__ if not isinstance(state, TrainState) else "a state without it")
             + "."
         )
+    _check_has_base(state, "ft.merge_lora(state)")
     entry = state.extra["lora"]
     scaling = float(entry["scaling"])
     flat = {k: v.detach().clone() for k, v in tree.to_flat(entry["base"]).items()}
@@ -241,7 +245,48 @@ def merge_lora(state: TrainState) -> TensorDict:
     return tree.from_flat(flat)
 
 
+def split_base(state: TrainState) -> tuple[TrainState, TensorDictBase | None]:
+    """``state`` without the frozen base of a LoRA run, and that base; a state that is not a
+    LoRA run's (or holds no base) comes back as it is, with None.
+
+    Guarantees: ``state`` is not changed; the state returned holds the adapters, the optimizer's
+    state, the step, the RNG key and every other entry (``extra["lora"]``'s scaling and layouts
+    included): what a LoRA checkpoint needs, since the base is the model's own weights.
+    ``join_base(*split_base(state))`` is ``state``."""
+    if "lora" not in state.extra.keys() or "base" not in state.extra["lora"].keys():
+        return state, None
+    return state.replace(extra=state.extra.exclude(("lora", "base"))), state.extra["lora", "base"]
+
+
+def join_base(state: TrainState, base: TensorDictBase | None) -> TrainState:
+    """``state`` (from :func:`split_base`, or ``ft.load`` of a LoRA checkpoint) with the frozen
+    ``base`` back in ``state.extra["lora", "base"]`` (``ft.params_of(model)`` of the model the
+    adapters were trained on, laid out as the state is); ``base=None`` returns ``state``. A new
+    state: ``state`` is not changed."""
+    if base is None:
+        return state
+    if "lora" not in state.extra.keys():
+        raise ValueError(
+            "join_base(state, base): state holds no LoRA entry (state.extra['lora']); give the "
+            "state of a LoRA run (lora.init_state, or ft.load of its checkpoint)."
+        )
+    entry = state.extra["lora"].clone(recurse=False)
+    entry["base"] = base
+    extra = state.extra.clone(recurse=False)
+    extra["lora"] = entry
+    return state.replace(extra=extra)
+
+
 # -- helpers --------------------------------------------------------------------------------------
+
+
+def _check_has_base(state: TrainState, who: str) -> None:
+    if "base" not in state.extra["lora"].keys():
+        raise ValueError(
+            f"{who}: the LoRA state holds the adapters but not the frozen base (a LoRA "
+            "checkpoint leaves it out: it is the model's own weights); put it back with "
+            "ftrain.transforms.lora.join_base(state, ft.params_of(model))."
+        )
 
 
 def _delta(lora_b: torch.Tensor, lora_a: torch.Tensor, scaling: float, transposed) -> torch.Tensor:
