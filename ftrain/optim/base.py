@@ -46,6 +46,7 @@ __all__ = [
     "LeafContext",
     "accepts_inplace",
     "all_finite",
+    "mask_flags",
 ]
 
 Leaves = list[torch.Tensor]
@@ -231,7 +232,10 @@ def _bool(v) -> bool:
     return bool(v.item()) if isinstance(v, torch.Tensor) else bool(v)
 
 
-def _resolve_mask(mask, params: TensorDictBase) -> list[bool]:
+def mask_flags(mask, params: TensorDictBase) -> list[bool]:
+    """``mask`` (a TensorDict of booleans keyed like ``params``, or a function ``params -> such a
+    TensorDict``) as one bool per leaf of ``params``, in leaf order. Reads the mask's values (a
+    host read for each): call it when a structure is first seen, not at every step."""
     m = mask(params) if callable(mask) else mask
     if not isinstance(m, TensorDictBase):
         raise TypeError(
@@ -276,7 +280,7 @@ def masked(inner: GradientTransformation, mask) -> GradientTransformation:
         key = (tdef.sig, tuple(t.shape for t in leaves)) if callable(mask) else tdef.sig
         got = cache.get(key)
         if got is None:
-            keep = _resolve_mask(mask, tdef.unflatten(leaves))
+            keep = mask_flags(mask, tdef.unflatten(leaves))
             idx = [i for i, k in enumerate(keep) if k]
             sub = tree.structure(select(tdef.unflatten(leaves), keep))
             got = (idx, sub)
