@@ -10,8 +10,9 @@ same math in torch's fused multi-tensor kernel instead (``torch._fused_adamw_``,
 **Where the choice is made, and why:** at each update, from the leaves it is given: their device,
 dtype and layout, which the optimizer cannot know when it is built (a state may be created on the
 CPU and moved to a GPU, ``ft.shard`` hands sharded DTensors and ``ft.vmap`` batched tensors to the
-same optimizer). It is a pure function of the leaves, a few attribute reads per leaf, and a compiled
-step decides it once, while tracing. ``fused=None`` takes the kernel wherever
+same optimizer). It is a function of the leaves: each is checked the first time a structure (keys,
+and the first leaf's type, device and dtype) is seen, and the answer is remembered for it, so a
+step pays one dictionary lookup. ``fused=None`` takes the kernel wherever
 :func:`ftrain.optim.kernels.fused_refusal` finds one, else the chain; ``fused=True`` refuses, with
 the device and dtype named, where none exists, already at ``init`` (before training starts) for the
 params it is given.
@@ -76,6 +77,19 @@ def _choosing(
     as the module docstring says. ``init`` also resolves the decay mask (``flags_of``) for the
     params' structure, as the chain's ``masked`` does: a compiled step then reads no mask value."""
     chain_fn = leaf_update(chain_t)
+    verdicts: dict = {}  # (structure, first leaf's type, device, dtype) -> fused_refusal's answer
+
+    def refusal(u: Leaves, s: Leaves, p: Leaves | None, tdef: tree.TreeDef) -> str | None:
+        if foreach.is_looped():
+            return "batched leaves under ft.vmap (its per-tensor loop)"
+        if not u:
+            return "an empty tree"
+        first = u[0]
+        key = (tdef, type(first), first.device, first.dtype, kernels.is_wrapped(first))
+        if key not in verdicts:  # every tensor the kernel sees, checked once per key
+            moments = [t for t in s if t.dim()]  # not the counters
+            verdicts[key] = kernels.fused_refusal([*u, *moments, *(p or [])])
+        return verdicts[key]
 
     def init(params):
         leaves, tdef = tree.flatten(params)
@@ -90,10 +104,7 @@ def _choosing(
     def update(u, s, p, ctx):
         if tree.compiling():  # inductor fuses the chain itself; see the module docstring
             return chain_fn(u, s, p, ctx)
-        if foreach.is_looped():
-            why = "batched leaves under ft.vmap (its per-tensor loop)"
-        else:
-            why = kernels.fused_refusal(u) if u else "an empty tree"
+        why = refusal(u, s, p, ctx.tree)
         if why is None:
             return run(u, s, p, ctx)
         if fused:

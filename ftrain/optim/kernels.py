@@ -25,6 +25,7 @@ __all__ = [
     "check_same_keys",
     "norms_and_roots",
     "fused_refusal",
+    "is_wrapped",
     "fused_adam_",
     "fused_sgd_",
 ]
@@ -94,8 +95,8 @@ def _fused_devices() -> tuple[str, ...]:
         return ("cpu", "cuda")
 
 
-def _wrapped(t: torch.Tensor) -> bool:
-    """A tensor under a functorch transform (``ft.vmap``'s batched tensors)."""
+def is_wrapped(t: torch.Tensor) -> bool:
+    """A tensor under a functorch transform (``torch.func.vmap``'s batched tensors)."""
     return torch._C._functorch.is_functorch_wrapped_tensor(t)
 
 
@@ -110,7 +111,7 @@ def fused_refusal(tensors: list[torch.Tensor]) -> str | None:
     for t in tensors:
         if hasattr(t, "placements"):
             return f"sharded DTensor leaves on {t.device} (ft.shard with zero1/zero2/fsdp)"
-        if not torch.compiler.is_compiling() and _wrapped(t):  # dynamo cannot read it:
+        if not torch.compiler.is_compiling() and is_wrapped(t):  # dynamo cannot read it:
             return "batched leaves under torch.func.vmap"  # ft.vmap is told by foreach.is_looped
         if t.device.type not in devices:
             return f"{t.device.type} tensors (torch has fused optimizer kernels on {devices})"
