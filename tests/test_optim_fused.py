@@ -6,8 +6,9 @@ torch.optim:
 
 * *step for step*: along a 50-step foreach run of a tiny GPT, each fused update from the same
   params, state and gradients gives the same updates and new state to 1e-6 relative (worst tensor,
-  ``||a - b|| / ||b||``), with decay masks, schedules, ``inject_hyperparams``, ``partition``,
-  clipping before, and in place (donated) as well as pure; the state has one layout and the
+  ``||a - b|| / ||b||``), and ``optim.update_and_apply`` (the kernel writing the params) the same
+  new params, with decay masks, schedules, ``inject_hyperparams``, ``partition``, clipping before,
+  and in place (donated) as well as pure; the state has one layout and the
   recorded ``lr`` is bitwise the same. Each comparison checks that the fused kernel really ran (its
   calls are counted) and that the run moved the params by far more than the tolerance.
 * *trajectory*: 50 steps of ``ft.train_step``, fused against foreach. Adam amplifies 1-ulp
@@ -93,11 +94,17 @@ def assert_step_for_step(make, kernel_calls, *, inplace=False):
         u_c, s_c = chain.update(clone(grads), clone(state), params, inplace=inplace)
         assert rel(flat(u_f), flat(u_c)) <= TOL, i
         assert rel(flat(s_f), flat(s_c)) <= TOL, i
+        # update_and_apply: the kernel writes the params (in place when inplace=True)
+        given = clone(params)
+        p_a, s_a = optim.update_and_apply(fused, clone(grads), clone(state), given, inplace=inplace)
+        assert (p_a is given) == inplace
+        assert rel(flat(p_a), flat(optim.apply_updates(params, u_c))) <= TOL, i
+        assert rel(flat(s_a), flat(s_c)) <= TOL, i
         for k, v in flat(s_c).items():
             if k.endswith("lr") or not v.is_floating_point():  # counters and the recorded lr
                 assert torch.equal(flat(s_f)[k], v), (i, k)
         params, state = optim.apply_updates(params, u_c), s_c
-    assert sum(kernel_calls.values()) >= STEPS  # the fused path ran
+    assert sum(kernel_calls.values()) >= 2 * STEPS  # the fused path ran, both ways
     moved = rel(flat(ft.params_of(model)), flat(params))
     assert moved > 1e3 * TOL  # it trained: the agreement is not trivial
 
@@ -193,6 +200,18 @@ def test_fused_sgd_trajectory_within_1e6(name, kernel_calls):
     assert kernel_calls["_fused_sgd_"] == STEPS
     assert rel(flat(fused.params), flat(chain.params)) <= TOL
     assert rel(flat(fused.opt_state), flat(chain.opt_state)) <= TOL
+
+
+def test_update_and_apply_without_a_kernel_of_its_own_is_update_then_add():
+    """Any other optimizer: update_and_apply is update + apply_updates, bit for bit."""
+    params = ft.params_of(tiny_gpt())
+    grads = params.apply(torch.randn_like)
+    for opt in (optim.lion(1e-3, weight_decay=0.1), optim.adamw(1e-3, fused=False)):
+        state = opt.init(params)
+        updates, want_s = opt.update(grads, state, params)
+        got_p, got_s = optim.update_and_apply(opt, grads, state, params)
+        assert rel(flat(got_p), flat(optim.apply_updates(params, updates))) == 0.0
+        assert rel(flat(got_s), flat(want_s)) == 0.0
 
 
 def test_a_donated_fused_step_updates_the_states_buffers_in_place():

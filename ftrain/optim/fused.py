@@ -45,7 +45,14 @@ import torch
 
 from ftrain import foreach, tree
 from ftrain.optim import kernels
-from ftrain.optim.base import GradientTransformation, LeafContext, leaf_update, leafwise, mask_flags
+from ftrain.optim.base import (
+    GradientTransformation,
+    LeafContext,
+    leaf_apply,
+    leaf_update,
+    leafwise,
+    mask_flags,
+)
 from ftrain.optim.kernels import check_same_keys
 from ftrain.optim.schedules import as_schedule
 
@@ -101,17 +108,27 @@ def _choosing(
             flags_of(tdef, leaves)
         return chain_t.init(params)
 
-    def update(u, s, p, ctx):
+    def fused_here(u, s, p, ctx) -> bool:
         if tree.compiling():  # inductor fuses the chain itself; see the module docstring
-            return chain_fn(u, s, p, ctx)
+            return False
         why = refusal(u, s, p, ctx.tree)
-        if why is None:
-            return run(u, s, p, ctx)
-        if fused:
+        if why is not None and fused:
             raise _refused(fn, why)
+        return why is None
+
+    def update(u, s, p, ctx):
+        if fused_here(u, s, p, ctx):
+            return run(u, s, p, ctx, False)
         return chain_fn(u, s, p, ctx)
 
-    return leafwise(init, update)
+    chain_apply = leaf_apply(chain_t)
+
+    def apply(g, s, p, ctx):  # the kernel writes the params: see leaf_apply
+        if fused_here(g, s, p, ctx):
+            return run(g, s, p, ctx, True)
+        return chain_apply(g, s, p, ctx)
+
+    return leafwise(init, update, apply)
 
 
 def _decay_flags(mask) -> Callable[[tree.TreeDef, Leaves], list[bool]]:
@@ -164,6 +181,18 @@ def _start(g: Leaves, p: Leaves | None, flags: list[bool] | None, factor) -> Lea
     return out
 
 
+def _by_decay(flags: list[bool] | None, n: int, wd: float) -> list[tuple[list[int], float]]:
+    """The leaves by the weight decay the kernel gives them: ``(positions, wd)``, one kernel
+    call each (the decayed ones, then the others; empty groups left out)."""
+    if flags is None:
+        return [(list(range(n)), wd)]
+    groups = [
+        ([i for i, f in enumerate(flags) if f], wd),
+        ([i for i, f in enumerate(flags) if not f], 0.0),
+    ]
+    return [(idx, w) for idx, w in groups if idx]
+
+
 def _moments(s: Leaves, lo: int, hi: int, inplace: bool) -> Leaves:
     """The state's buffers ``s[lo:hi]``, which the kernel updates in place: themselves when the
     state may be overwritten, else copies."""
@@ -211,7 +240,7 @@ def fused_adam(
     schedule = as_schedule(learning_rate)
     flags_of = _decay_flags(mask)
 
-    def run(g, s, p, ctx):
+    def run(g, s, p, ctx, write_params: bool):
         sdef = ctx.state
         lo, _ = sdef.span(adam_key)
         adef = sdef.child(adam_key)
@@ -226,10 +255,18 @@ def fused_adam(
         if weight_decay:
             _need_params(p, fn)
             flags = flags_of(ctx.tree, p)
-        if flags is not None and not decoupled:
-            g = _with_l2(g, p, flags, weight_decay, ctx.owned)
-        out = _start(g, p, flags if decoupled else None, -lr * weight_decay)
-        kernels.fused_adam_(out, g, mu, nu, count, lr, b1=b1, b2=b2, eps=eps)
+        if write_params:  # torch.optim's way: the kernel decays and steps the params
+            out = p if ctx.inplace else [t.clone() for t in p]
+            for idx, wd in _by_decay(flags, len(p), weight_decay):
+                kernels.fused_adam_(
+                    *([x[i] for i in idx] for x in (out, g, mu, nu)), count, lr,
+                    b1=b1, b2=b2, eps=eps, weight_decay=wd, decoupled=decoupled,
+                )  # fmt: skip
+        else:  # the updates, which the caller adds: the decay as the chain does it
+            if flags is not None and not decoupled:
+                g = _with_l2(g, p, flags, weight_decay, ctx.owned)
+            out = _start(g, p, flags if decoupled else None, -lr * weight_decay)
+            kernels.fused_adam_(out, g, mu, nu, count, lr, b1=b1, b2=b2, eps=eps)
         new_s = list(s)
         new_s[i_count] = count
         new_s[lo + m_lo : lo + m_hi] = mu
@@ -259,7 +296,7 @@ def fused_sgd(
     schedule = as_schedule(learning_rate)
     flags_of = _decay_flags(mask)
 
-    def run(g, s, p, ctx):
+    def run(g, s, p, ctx, write_params: bool):
         sdef = ctx.state
         bufs: Leaves = []
         if trace_key is not None:
@@ -269,11 +306,22 @@ def fused_sgd(
             t_lo, t_hi = tdef.span("trace")
             bufs = _moments(s, lo + t_lo, lo + t_hi, ctx.inplace)
         i_lr_count, i_lr, lr = _learning_rate(schedule, s, sdef, lr_key)
+        flags = None
         if weight_decay:
             _need_params(p, "sgd")
-            g = _with_l2(g, p, flags_of(ctx.tree, p), weight_decay, ctx.owned)
-        out = _start(g, None, None, None)
-        kernels.fused_sgd_(out, g, bufs, lr, momentum=momentum, nesterov=nesterov)
+            flags = flags_of(ctx.tree, p)
+        if write_params:  # torch.optim's way: the kernel adds the L2 term and steps the params
+            out = p if ctx.inplace else [t.clone() for t in p]
+            for idx, wd in _by_decay(flags, len(p), weight_decay):
+                kernels.fused_sgd_(
+                    *([x[i] for i in idx] for x in (out, g)), [bufs[i] for i in idx] if bufs else [],
+                    lr, momentum=momentum, nesterov=nesterov, weight_decay=wd,
+                )  # fmt: skip
+        else:  # the updates, which the caller adds: the L2 term added first, as the chain does
+            if flags is not None:
+                g = _with_l2(g, p, flags, weight_decay, ctx.owned)
+            out = _start(g, None, None, None)
+            kernels.fused_sgd_(out, g, bufs, lr, momentum=momentum, nesterov=nesterov)
         new_s = list(s)
         if trace_key is not None:
             new_s[lo + t_lo : lo + t_hi] = bufs

@@ -105,12 +105,17 @@ def fused_refusal(tensors: list[torch.Tensor]) -> str | None:
     dense and contiguous, floating point, on a device they exist for); otherwise the reason, one
     phrase naming the first tensor's device and dtype (or layout) where they do not.
 
-    Sharded DTensors (``ft.shard``'s zero/fsdp state) and ``ft.vmap``'s batched tensors are
-    refused: the kernels have no rule for them here, and those steps keep the foreach chain."""
+    Sharded DTensors (``ft.shard``'s zero/fsdp state), other tensor subclasses (``ft.memory``'s
+    fake tensors) and ``torch.func.vmap``'s batched tensors are refused: the kernels have no rule
+    for them here, and those steps keep the foreach chain."""
     devices = _fused_devices()
     for t in tensors:
         if hasattr(t, "placements"):
             return f"sharded DTensor leaves on {t.device} (ft.shard with zero1/zero2/fsdp)"
+        if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+            # e.g. ft.memory's fake tensors: torch has no fake kernel for the tensor-lr ops, and
+            # its fallback would run them on real tensors of the params' size
+            return f"{type(t).__name__} leaves"
         if not torch.compiler.is_compiling() and is_wrapped(t):  # dynamo cannot read it:
             return "batched leaves under torch.func.vmap"  # ft.vmap is told by foreach.is_looped
         if t.device.type not in devices:
@@ -181,10 +186,12 @@ def fused_sgd_(
     *,
     momentum: float,
     nesterov: bool,
+    weight_decay: float = 0.0,
 ) -> None:
     """One SGD step in torch's fused kernel, in place: each buffer becomes ``momentum * buf + g``
     (none without momentum) and ``out[i] -= lr * d`` with ``d`` the buffer (``g + momentum *
-    buf`` with nesterov; ``g`` without momentum). ``out`` is the params in torch.optim; ftrain
+    buf`` with nesterov; ``g`` without momentum), after the L2 term ``g += weight_decay * out``.
+    ``out`` is the params in torch.optim (and in ftrain's ``leaf_apply``); for an update ftrain
     passes zeros, so that ``out`` ends as the update. ``grads`` are read, not written."""
     for idx in _groups(out):
         device = out[idx[0]].device
@@ -192,7 +199,7 @@ def fused_sgd_(
             [out[i] for i in idx],
             [grads[i] for i in idx],
             [momentum_buffers[i] for i in idx] if momentum else [],
-            weight_decay=0.0,
+            weight_decay=weight_decay,
             momentum=momentum,
             lr=lr.to(device=device, dtype=torch.float32),
             dampening=0.0,
