@@ -21,7 +21,8 @@ of the same params and gradients:
 The shapes are GPT-2 small's (12 blocks, 768 wide, vocab 50304, block 1024, head tied to the
 embedding): 124.5 M parameters in 148 tensors, 0.5 GB per fp32 copy. Every side runs once per round,
 the order rotating, medians over rounds; on the CPU both wall and CPU time (this process, all
-threads), on CUDA the wall time between synchronizations.
+threads; one torch thread by default, as benchmarks/step_overhead.py explains), on CUDA the wall
+time between synchronizations.
 
 ``--step`` also profiles one donated step of ``ftrain train``'s recipe GPT (torch.profiler, self
 CPU time per op, ``adamw`` fused against ``fused=False``) to show what the update phase of a step
@@ -196,7 +197,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny sizes, nothing written")
     parser.add_argument("--step", action="store_true", help="also profile one recipe step")
     parser.add_argument("--no-write", action="store_true", help="print only")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads on the CPU (1: see step_overhead.py)"
+    )
     args = parser.parse_args()
+    if args.device == "cpu":
+        torch.set_num_threads(args.threads)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: CUDA is not available on this machine")
     shapes = gpt2_shapes(2, 64, 512, 128) if args.quick else gpt2_shapes()
