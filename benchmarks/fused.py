@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable
 
 import torch
-from _common import machine, profile_diff, write_section  # beside this script
+from _common import machine, write_section  # beside this script
 
 import ftrain as ft
 from ftrain import optim
@@ -147,9 +147,27 @@ def update_table(shapes: dict, device: str, n_rounds: int) -> list[str]:
     return rows
 
 
+def update_ops(fn: Callable[[], None], steps: int) -> dict[str, float]:
+    """CPU µs per step spent in each multi-tensor op (``aten::_foreach_*``, ``aten::_fused_*``,
+    inclusive of the per-tensor ops they run on the CPU) and in allocating zeroed buffers."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn(), fn()  # warm-up
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            fn()
+    out: dict[str, float] = {}
+    for e in prof.key_averages():
+        if e.key.startswith(("aten::_foreach_", "aten::_fused_")) or e.key == "aten::zeros_like":
+            out[e.key] = e.cpu_time_total / steps
+    return out
+
+
 def step_profile(quick: bool, steps: int) -> list[str]:
-    """Self CPU µs per op of one donated recipe step, ``adamw`` foreach (before) and fused
-    (after): the update phase's ops side by side."""
+    """The update phase of one donated recipe step, op by op, ``adamw`` foreach against fused;
+    and each side's whole step (interleaved rounds, no profiler)."""
+    from _common import rounds
+
     from ftrain.config import TrainConfig
     from ftrain.recipes import gpt
 
@@ -177,17 +195,31 @@ def step_profile(quick: bool, steps: int) -> list[str]:
 
         return run
 
-    rows, _ = profile_diff(side(False), side(True), steps=steps, top=14)
-    return [
-        f"One donated step of the recipe GPT (d={cfg.d_model}, {cfg.n_layer} blocks, seq "
-        f"{cfg.seq_len}, batch {cfg.batch_size}; clip_by_global_norm(1.0) then adamw with the "
-        f"decay mask), self CPU µs per op and step over {steps} steps (torch.profiler, which "
-        "inflates both totals alike).",
+    sides = {"foreach": side(False), "fused": side(True)}
+    ops = {k: update_ops(f, steps) for k, f in sides.items()}
+    whole = rounds(sides, steps)
+    keys = sorted(ops["foreach"].keys() | ops["fused"].keys(), key=lambda k: -max(
+        ops["foreach"].get(k, 0.0), ops["fused"].get(k, 0.0)))  # fmt: skip
+    n = sum(p.numel() for p in model.parameters())
+    rows = [
+        f"The update phase of one donated step of the recipe GPT (d={cfg.d_model}, {cfg.n_layer} "
+        f"blocks, seq {cfg.seq_len}, batch {cfg.batch_size}; {n / 1e6:.2f} M params): "
+        "clip_by_global_norm(1.0) then adamw with the decay mask, foreach against fused. CPU µs "
+        f"per step in each multi-tensor op (torch.profiler, inclusive, {steps} steps), then the "
+        "whole step without the profiler (median of interleaved rounds).",
         "",
-        "| op | adamw foreach | adamw fused | fused - foreach |",
-        "| --- | ---: | ---: | ---: |",
-        *rows,
+        "| op | adamw foreach | adamw fused |",
+        "| --- | ---: | ---: |",
+        *(
+            f"| `{k}` | {ops['foreach'].get(k, 0.0):.0f} | {ops['fused'].get(k, 0.0):.0f} |"
+            for k in keys
+        ),
+        f"| all of them | {sum(ops['foreach'].values()):.0f} | {sum(ops['fused'].values()):.0f} |",
+        f"| **whole step** (CPU µs) | {whole['foreach']['cpu'] * 1e6:.0f} | "
+        f"{whole['fused']['cpu'] * 1e6:.0f} |",
     ]
+    print("\n".join(rows), flush=True)
+    return rows
 
 
 def main() -> None:
@@ -211,7 +243,7 @@ def main() -> None:
     print(head, flush=True)
     rows = update_table(shapes, args.device, 3 if args.quick else args.rounds)
     if args.step:
-        rows += ["", *step_profile(args.quick, 4 if args.quick else 20)]
+        rows += ["", *step_profile(args.quick, 4 if args.quick else 30)]
     end = f"Load average {os.getloadavg()[0]:.1f} at the end."
     if not (args.quick or args.no_write):
         title = "Fused optimizer update" + ("" if args.device == "cpu" else f" ({args.device})")
