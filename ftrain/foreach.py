@@ -31,6 +31,7 @@ from ftrain.scoped import Scoped
 
 __all__ = [
     "looped",
+    "is_looped",
     "add",
     "add_",
     "addcmul_",
@@ -57,6 +58,12 @@ def looped():
     """A context manager: inside it (on this thread), every function of this module runs its
     kernel per tensor (see the module docstring). ``ft.vmap`` enters it around its vmapped call."""
     return _LOOPED.using(True)
+
+
+def is_looped() -> bool:
+    """Whether this thread is inside :func:`looped` (e.g. under ``ft.vmap``): other multi-tensor
+    kernels (torch's fused optimizers) must not run there either. Dynamo reads it as a guard."""
+    return _LOOPED.get()
 
 
 def _norm(t: torch.Tensor, ord: float = 2, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -30,10 +30,10 @@ def labels_fn(params):
     return {k: label_of(k, v) for k, v in ft.tree.to_flat(params).items()}
 
 
-def transforms():
+def transforms(fused=None):
     return {
-        "adamw": optim.adamw(1e-2, weight_decay=0.1, mask=optim.decay_mask),
-        "sgd": optim.sgd(0.1, momentum=0.9, nesterov=True),
+        "adamw": optim.adamw(1e-2, weight_decay=0.1, mask=optim.decay_mask, fused=fused),
+        "sgd": optim.sgd(0.1, momentum=0.9, nesterov=True, fused=fused),
         "lion": optim.chain(optim.clip_by_global_norm(0.5), optim.lion(1e-3, weight_decay=0.5)),
     }
 
@@ -98,7 +98,9 @@ def test_a_compiled_donated_step_matches_eager_without_recompiling():
     model, _, _ = gpt_step()
     opt = optim.partition(transforms(), labels_fn)
     state = ft.TrainState.create(ft.params_of(model), opt)
-    eager = ft.train_step(lm_loss(model), opt)
+    # a compiled step runs adamw's and sgd's foreach chains (ftrain.optim.fused): bit for bit
+    # against the eager step means fused=False there
+    eager = ft.train_step(lm_loss(model), optim.partition(transforms(fused=False), labels_fn))
     compiled = ft.compile(ft.train_step(lm_loss(model), opt, donate=True), backend="eager")
     batches = [lm_batch(4, seed=i) for i in range(4)]
     final, _ = assert_no_recompile(compiled, state.clone(), batches)

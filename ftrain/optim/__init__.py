@@ -63,7 +63,7 @@ from ftrain.optim.transforms import (
     scale_by_schedule,
     trace,
 )
-from ftrain.optim.updates import apply_updates
+from ftrain.optim.updates import apply_updates, update_and_apply
 
 __all__ = [
     "GradientTransformation",
@@ -121,6 +121,7 @@ __all__ = [
     "state_bytes",
     "stateless",
     "trace",
+    "update_and_apply",
     "warmup_cosine",
     "wsd",
 ]

@@ -11,6 +11,7 @@ from ftrain import tree
 from ftrain.optim.base import GradientTransformation, chain
 from ftrain.optim.checks import check_lr, check_range, checked
 from ftrain.optim.factorized import scale_by_factored_rms, scale_by_param_block_rms
+from ftrain.optim.fused import check_fused, fused_adam, fused_sgd
 from ftrain.optim.schedules import Schedule, as_schedule
 from ftrain.optim.transforms import (
     add_decayed_weights,
@@ -48,15 +49,20 @@ def sgd(
     nesterov: bool = False,
     weight_decay: float = 0.0,
     mask=None,
+    fused: bool | None = None,
 ) -> GradientTransformation:
     """Stochastic gradient descent: ``chain(add_decayed_weights, trace, scale_by_learning_rate)``.
 
     ``weight_decay`` is L2 added to the gradient before momentum, as in torch; ``mask`` (e.g.
     :func:`decay_mask`) limits it to some leaves (``None``: every parameter, as torch does).
+    ``fused`` is torch's argument: ``None`` runs the update in torch's fused SGD kernel wherever
+    one exists for the leaves' device and dtype (the CPU included), ``True`` requires it, ``False``
+    keeps the foreach chain (see :mod:`ftrain.optim.fused`).
 
     **Invariant:** matches ``torch.optim.SGD(lr, momentum, nesterov=..., weight_decay=...)``
     (dampening 0): 50 steps of a small transformer agree to 1e-6 relative
-    (``tests/test_optim.py``).
+    (``tests/test_optim.py``), fused or not; the fused and the foreach update agree to 1e-6 relative
+    over 50 steps, with the same state (``tests/test_optim_fused.py``).
 
     Conventions: torch's. ``optax.sgd`` has no weight decay (optax users chain
     ``add_decayed_weights`` themselves, as this does first, where torch adds it); the momentum
@@ -68,13 +74,28 @@ def sgd(
     check_range("sgd", "weight_decay", weight_decay, 0.0)
     if nesterov and momentum == 0:
         raise ValueError("optim.sgd: nesterov=True needs momentum > 0.")
+    check_fused("sgd", fused)
     parts = []
     if weight_decay:
         parts.append(add_decayed_weights(weight_decay, mask))
+    trace_key = str(len(parts)) if momentum else None
     if momentum:
         parts.append(trace(momentum, nesterov))
     parts.append(scale_by_learning_rate(learning_rate))
-    return chain(*parts)
+    foreach_chain = chain(*parts)
+    if fused is False:
+        return foreach_chain
+    return fused_sgd(
+        foreach_chain,
+        fused=fused,
+        learning_rate=learning_rate,
+        momentum=momentum,
+        nesterov=nesterov,
+        weight_decay=weight_decay,
+        mask=mask,
+        trace_key=trace_key,
+        lr_key=str(len(parts) - 1),
+    )
 
 
 @checked
@@ -85,14 +106,17 @@ def adam(
     eps: float = 1e-8,
     weight_decay: float = 0.0,
     mask=None,
+    fused: bool | None = None,
 ) -> GradientTransformation:
     """Adam: ``chain(add_decayed_weights, scale_by_adam, scale_by_learning_rate)``
     (``weight_decay`` is L2 added to the gradient, as in ``torch.optim.Adam``; ``mask``, e.g.
-    :func:`decay_mask`, limits it to some leaves, ``None`` decays every parameter).
+    :func:`decay_mask`, limits it to some leaves, ``None`` decays every parameter). ``fused``:
+    as in :func:`adamw`.
 
     **Invariant:** matches ``torch.optim.Adam``: from the same params, moments and gradients each
     step agrees to 1e-6 relative; over 50 steps, ftrain stays as close to torch's foreach Adam as
-    torch's fused Adam does (Adam amplifies 1-ulp differences; ``tests/test_optim.py``).
+    torch's fused Adam does (Adam amplifies 1-ulp differences; ``tests/test_optim.py``). The fused
+    and the foreach update agree to 1e-6 relative over 50 steps (``tests/test_optim_fused.py``).
 
     Conventions: ``eps`` is added outside the square root, ``m_hat / (sqrt(v_hat) + eps)``, as in
     torch and ``optax.adam`` (optax's ``eps_root``, inside it, is 0 here). The weight decay is
@@ -103,8 +127,25 @@ def adam(
     check_range("adam", "b2", b2, 0.0, 1.0)
     check_range("adam", "eps", eps, 0.0)
     check_range("adam", "weight_decay", weight_decay, 0.0)
+    check_fused("adam", fused)
     parts = [add_decayed_weights(weight_decay, mask)] if weight_decay else []
-    return chain(*parts, scale_by_adam(b1, b2, eps), scale_by_learning_rate(learning_rate))
+    foreach_chain = chain(*parts, scale_by_adam(b1, b2, eps), scale_by_learning_rate(learning_rate))
+    if fused is False:
+        return foreach_chain
+    return fused_adam(
+        foreach_chain,
+        fn="adam",
+        fused=fused,
+        learning_rate=learning_rate,
+        b1=b1,
+        b2=b2,
+        eps=eps,
+        weight_decay=weight_decay,
+        mask=mask,
+        decoupled=False,
+        adam_key=str(len(parts)),
+        lr_key=str(len(parts) + 1),
+    )
 
 
 @checked
@@ -115,6 +156,7 @@ def adamw(
     eps: float = 1e-8,
     weight_decay: float = 1e-2,
     mask=None,
+    fused: bool | None = None,
 ) -> GradientTransformation:
     """AdamW (decoupled weight decay):
     ``chain(scale_by_adam, add_decayed_weights(weight_decay, mask), scale_by_learning_rate)``.
@@ -122,10 +164,19 @@ def adamw(
     ``mask`` (e.g. :func:`decay_mask`) limits weight decay to some leaves; torch's AdamW decays
     every parameter, which is ``mask=None``.
 
+    ``fused`` is torch's argument: ``None`` (the default) runs the update in torch's fused Adam
+    kernel wherever one exists for the leaves' device and dtype (the CPU included; not for the
+    sharded DTensors of ``ft.shard``'s zero/fsdp nor under ``ft.vmap``, which keep the chain),
+    ``True`` requires it (an error naming the device and dtype where it is missing), ``False``
+    keeps the foreach chain. Both paths have the same state, so checkpoints move between them;
+    the choice is made at each update, from the leaves (:mod:`ftrain.optim.fused`).
+
     **Invariant:** matches ``torch.optim.AdamW``: from the same params, moments and gradients each
     step agrees to 1e-6 relative; over 50 steps, ftrain stays as close to torch's foreach AdamW as
     torch's fused AdamW does (``tests/test_optim.py``). One known difference: torch multiplies
     params by ``1 - lr * weight_decay`` rounded to float32, ftrain adds ``lr * weight_decay * p``.
+    The fused and the foreach update agree to 1e-6 relative over 50 steps, with masks, schedules,
+    ``inject_hyperparams``, ``partition`` and donation (``tests/test_optim_fused.py``).
 
     Conventions: the decay is scaled by the learning rate (``p -= lr * (adam + wd * p)``), as in
     torch and ``optax.adamw`` alike; the default ``weight_decay`` is torch's 1e-2 (optax's is
@@ -146,10 +197,27 @@ def adamw(
     check_range("adamw", "b2", b2, 0.0, 1.0)
     check_range("adamw", "eps", eps, 0.0)
     check_range("adamw", "weight_decay", weight_decay, 0.0)
-    return chain(
+    check_fused("adamw", fused)
+    foreach_chain = chain(
         scale_by_adam(b1, b2, eps),
         add_decayed_weights(weight_decay, mask),
         scale_by_learning_rate(learning_rate),
+    )
+    if fused is False:
+        return foreach_chain
+    return fused_adam(
+        foreach_chain,
+        fn="adamw",
+        fused=fused,
+        learning_rate=learning_rate,
+        b1=b1,
+        b2=b2,
+        eps=eps,
+        weight_decay=weight_decay,
+        mask=mask,
+        decoupled=True,
+        adam_key="0",
+        lr_key="2",
     )
 
 

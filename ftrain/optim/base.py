@@ -43,9 +43,11 @@ __all__ = [
     "state_bytes",
     "leafwise",
     "leaf_update",
+    "leaf_apply",
     "LeafContext",
     "accepts_inplace",
     "all_finite",
+    "mask_flags",
 ]
 
 Leaves = list[torch.Tensor]
@@ -113,7 +115,12 @@ def _params_leaves(params: TensorDictBase, tdef: TreeDef, fn: str) -> Leaves:
     return p
 
 
-def leafwise(init: Callable, fn: LeafUpdate) -> GradientTransformation:
+LeafApply = Callable[[Leaves, Leaves, Leaves, LeafContext], tuple[Leaves, Leaves]]
+
+
+def leafwise(
+    init: Callable, fn: LeafUpdate, apply: LeafApply | None = None
+) -> GradientTransformation:
     """A transformation from ``init`` and a leaf-level update ``fn(updates, state, params, ctx)``
     over lists of tensors (see :class:`LeafContext`). Its public ``update`` flattens once, runs
     ``fn`` and builds the TensorDicts once; ``chain`` and the train step call ``fn`` directly.
@@ -131,7 +138,38 @@ def leafwise(init: Callable, fn: LeafUpdate) -> GradientTransformation:
         return tdef.unflatten(new_u), sdef.unflatten(new_s)
 
     update._leaf_update = (fn, update)  # type: ignore[attr-defined]
+    if apply is not None:
+        update._leaf_apply = (apply, update)  # type: ignore[attr-defined]
     return GradientTransformation(init, update)
+
+
+def leaf_apply(t: GradientTransformation) -> LeafApply:
+    """``apply(grads, state, params, ctx) -> (new_params, new_state)``: ``t``'s update added to
+    the params, the params overwritten in place when ``ctx.inplace`` (a donated step), else new
+    tensors. Equal to :func:`leaf_update` followed by ``params + updates``, which is what it runs
+    unless ``t`` brings its own (``leafwise(init, fn, apply)``): torch's fused kernels write the
+    new params directly, one pass fewer than updates added afterwards (``optim.adamw``'s,
+    ``chain``'s ending in one, ``partition``'s and ``inject_hyperparams``'s of those). Called when
+    a step is built, not per step."""
+    recorded = getattr(t.update, "_leaf_apply", None)
+    if isinstance(recorded, tuple) and len(recorded) == 2 and recorded[1] is t.update:
+        return recorded[0]
+    fn = leaf_update(t)
+
+    def apply(g, s, p, ctx):
+        u, new_s = fn(g, s, p, ctx)
+        if ctx.inplace:
+            foreach.add_(p, u)
+            return p, new_s
+        return list(foreach.add(p, u)), new_s
+
+    return apply
+
+
+def has_own_apply(t: GradientTransformation) -> bool:
+    """Whether ``t`` brings its own :func:`leaf_apply` (a fused kernel writing the params)."""
+    recorded = getattr(t.update, "_leaf_apply", None)
+    return isinstance(recorded, tuple) and len(recorded) == 2 and recorded[1] is t.update
 
 
 def leaf_update(t: GradientTransformation) -> LeafUpdate:
@@ -206,7 +244,9 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     def init(params):
         return TensorDict({n: t.init(params) for n, t in zip(names, transforms)}, batch_size=[])
 
-    def update(u, s, p, ctx):
+    def run(u, s, p, ctx, last=None):
+        """The transforms in turn; with ``last`` (the final transform's leaf apply), that one
+        writes the params and ``(new_params, new_state)`` is returned."""
         sdef = ctx.state
         if len(sdef.sig) != len(names):
             raise ValueError(
@@ -216,22 +256,36 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         original = None if ctx.owned else u
         owned = ctx.owned
         new_s: Leaves = []
-        for name, fn in zip(names, fns):
+        for i, (name, fn) in enumerate(zip(names, fns)):
             lo, hi = sdef.span(name)
-            u, s_i = fn(u, s[lo:hi], p, LeafContext(ctx.tree, sdef.child(name), ctx.inplace, owned))
+            sub = LeafContext(ctx.tree, sdef.child(name), ctx.inplace, owned)
+            if last is not None and i == len(fns) - 1:
+                new_p, s_i = last(u, s[lo:hi], p, sub)
+                return new_p, new_s + list(s_i)
+            u, s_i = fn(u, s[lo:hi], p, sub)
             new_s.extend(s_i)
             if not owned:  # once no caller tensor is passed through, the updates are ours
                 owned = not any(a is b for a, b in zip(u, original))
         return u, new_s
 
-    return leafwise(init, update)
+    apply = None
+    if transforms and has_own_apply(transforms[-1]):
+        last = leaf_apply(transforms[-1])
+
+        def apply(g, s, p, ctx):
+            return run(g, s, p, ctx, last)
+
+    return leafwise(init, run, apply)
 
 
 def _bool(v) -> bool:
     return bool(v.item()) if isinstance(v, torch.Tensor) else bool(v)
 
 
-def _resolve_mask(mask, params: TensorDictBase) -> list[bool]:
+def mask_flags(mask, params: TensorDictBase) -> list[bool]:
+    """``mask`` (a TensorDict of booleans keyed like ``params``, or a function ``params -> such a
+    TensorDict``) as one bool per leaf of ``params``, in leaf order. Reads the mask's values (a
+    host read for each): call it when a structure is first seen, not at every step."""
     m = mask(params) if callable(mask) else mask
     if not isinstance(m, TensorDictBase):
         raise TypeError(
@@ -276,7 +330,7 @@ def masked(inner: GradientTransformation, mask) -> GradientTransformation:
         key = (tdef.sig, tuple(t.shape for t in leaves)) if callable(mask) else tdef.sig
         got = cache.get(key)
         if got is None:
-            keep = _resolve_mask(mask, tdef.unflatten(leaves))
+            keep = mask_flags(mask, tdef.unflatten(leaves))
             idx = [i for i, k in enumerate(keep) if k]
             sub = tree.structure(select(tdef.unflatten(leaves), keep))
             got = (idx, sub)

@@ -18,8 +18,12 @@ HINTS = {
     "torch's beta2_decay=-0.8.",
     "eps": "adafactor takes its two epsilons separately: eps1=..., eps2=....",
     "d": "ftrain calls it clipping_threshold=....",
-    "foreach": "ftrain's optimizers are always multi-tensor; drop the option.",
-    "fused": "ftrain's optimizers are always multi-tensor; drop the option.",
+    "foreach": "ftrain's optimizers are always multi-tensor; adam, adamw and sgd take "
+    "fused=False for the foreach chain (fused=None, the default, takes torch's fused kernel where "
+    "one exists).",
+    "fused": "torch has fused kernels for adam, adamw and sgd only, which take fused=...; this "
+    "optimizer always runs its multi-tensor (foreach) chain: drop the option.",
+    "amsgrad": "ftrain's Adam has no AMSGrad variant; drop the option.",
     "maximize": "negate the loss instead.",
 }
 

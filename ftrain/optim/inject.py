@@ -19,7 +19,14 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from ftrain import tree
-from ftrain.optim.base import GradientTransformation, LeafContext, leaf_update, leafwise
+from ftrain.optim.base import (
+    GradientTransformation,
+    LeafContext,
+    has_own_apply,
+    leaf_apply,
+    leaf_update,
+    leafwise,
+)
 from ftrain.optim.kernels import zero_count
 from ftrain.scoped import Scoped
 
@@ -195,7 +202,7 @@ def _wrap(inner, numbers: dict, schedules: dict, current: Scoped, name: str):
             batch_size=[],
         )
 
-    def update(u, s, p, ctx):
+    def update(u, s, p, ctx, inner_fn=inner_fn):
         sdef = ctx.state
         hdef = sdef.child("hyperparams")
         if list(hdef.paths) != names:
@@ -217,7 +224,14 @@ def _wrap(inner, numbers: dict, schedules: dict, current: Scoped, name: str):
         new_s[i_lo:i_hi] = new_inner
         return new_u, new_s
 
-    return leafwise(init, update)
+    apply = None
+    if has_own_apply(inner):  # the inner optimizer writes the params itself (a fused kernel)
+        inner_apply = leaf_apply(inner)
+
+        def apply(g, s, p, ctx):
+            return update(g, s, p, ctx, inner_apply)
+
+    return leafwise(init, update, apply)
 
 
 def set_hyperparams(state, **values):

@@ -1,5 +1,14 @@
 """Multi-tensor helpers the optimizer transforms share: counters, in-place-when-allowed
-arithmetic on leaf lists, checks of a state's structure, per-tensor norms."""
+arithmetic on leaf lists, checks of a state's structure, per-tensor norms; and torch's fused
+optimizer kernels (``torch._fused_adam_``, ``torch._fused_adamw_``, ``torch._fused_sgd_``).
+
+Those kernels are private torch names, called here and nowhere else in ftrain (as ``torch._foreach_*``
+are called only in :mod:`ftrain.foreach`): :func:`fused_refusal` says whether they run on a list of
+leaves, :func:`fused_adam_` and :func:`fused_sgd_` call them. They exist in torch 2.4 and later on
+the CPU and on every device of ``torch.optim``'s ``fused=True`` (CUDA, XPU, MPS, ...), each with an
+overload that takes the learning rate as a tensor, so a schedule's value reaches them without a host
+read.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +17,18 @@ import torch
 from ftrain import foreach
 from ftrain.optim.base import LeafContext
 
-__all__ = ["zero_count", "mul", "add_", "as_update", "check_same_keys", "norms_and_roots"]
+__all__ = [
+    "zero_count",
+    "mul",
+    "add_",
+    "as_update",
+    "check_same_keys",
+    "norms_and_roots",
+    "fused_refusal",
+    "is_wrapped",
+    "fused_adam_",
+    "fused_sgd_",
+]
 
 
 def zero_count() -> torch.Tensor:
@@ -58,3 +78,132 @@ def norms_and_roots(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Te
     norms = torch.stack(foreach.norm(tensors)).to(torch.float64)
     roots = torch.tensor([t.numel() ** 0.5 for t in tensors], dtype=torch.float64)
     return norms, roots.to(norms.device)
+
+
+# -- torch's fused optimizer kernels ------------------------------------------------------------
+
+_FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _fused_devices() -> tuple[str, ...]:
+    """The device types torch's own ``fused=True`` optimizers accept."""
+    try:
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+        return tuple(_get_fused_kernels_supported_devices())
+    except ImportError:  # a torch without the helper: the two devices ftrain is tested on
+        return ("cpu", "cuda")
+
+
+def is_wrapped(t: torch.Tensor) -> bool:
+    """A tensor under a functorch transform (``torch.func.vmap``'s batched tensors)."""
+    return torch._C._functorch.is_functorch_wrapped_tensor(t)
+
+
+def fused_refusal(tensors: list[torch.Tensor]) -> str | None:
+    """``None`` when torch's fused optimizer kernels run on every tensor of ``tensors`` (plain,
+    dense and contiguous, floating point, on a device they exist for); otherwise the reason, one
+    phrase naming the first tensor's device and dtype (or layout) where they do not.
+
+    Sharded DTensors (``ft.shard``'s zero/fsdp state), other tensor subclasses (``ft.memory``'s
+    fake tensors) and ``torch.func.vmap``'s batched tensors are refused: the kernels have no rule
+    for them here, and those steps keep the foreach chain."""
+    devices = _fused_devices()
+    for t in tensors:
+        if hasattr(t, "placements"):
+            return f"sharded DTensor leaves on {t.device} (ft.shard with zero1/zero2/fsdp)"
+        if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+            # e.g. ft.memory's fake tensors: torch has no fake kernel for the tensor-lr ops, and
+            # its fallback would run them on real tensors of the params' size
+            return f"{type(t).__name__} leaves"
+        if not torch.compiler.is_compiling() and is_wrapped(t):  # dynamo cannot read it:
+            return "batched leaves under torch.func.vmap"  # ft.vmap is told by foreach.is_looped
+        if t.device.type not in devices:
+            return f"{t.device.type} tensors (torch has fused optimizer kernels on {devices})"
+        if t.dtype not in _FUSED_DTYPES or (t.device.type == "mps" and t.dtype == torch.float64):
+            return f"{t.dtype} tensors on {t.device.type}"
+        if t.layout != torch.strided or not t.is_contiguous():
+            return f"non-contiguous or sparse tensors (shape {tuple(t.shape)} on {t.device.type})"
+    return None
+
+
+def _groups(tensors: list[torch.Tensor]) -> list[list[int]]:
+    """Positions of ``tensors`` grouped by (device, dtype): one kernel call each, as torch does."""
+    by: dict = {}
+    for i, t in enumerate(tensors):
+        by.setdefault((t.device, t.dtype), []).append(i)
+    return list(by.values())
+
+
+def fused_adam_(
+    out: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    mu: list[torch.Tensor],
+    nu: list[torch.Tensor],
+    count: torch.Tensor,
+    lr: torch.Tensor,
+    *,
+    b1: float,
+    b2: float,
+    eps: float,
+    weight_decay: float = 0.0,
+    decoupled: bool = True,
+) -> None:
+    """One Adam step in torch's fused kernel, in place: ``mu`` and ``nu`` move to their new
+    moments and each ``out[i]`` becomes ``out[i] - lr / bc1 * mu / (sqrt(nu) / sqrt(bc2) + eps)``
+    (with ``count`` the step number, 1 for the first, and ``bc = 1 - b**count``), after
+    ``weight_decay`` (decoupled: ``out *= 1 - lr * wd``; else L2: ``g += wd * out``). ``out`` is
+    the params in torch.optim; ftrain passes buffers that hold ``-lr * wd * p`` or zeros, so that
+    ``out`` ends as the update. ``grads`` are read, not written (no ``grad_scale`` is given).
+    ``count`` (an integer tensor) and ``lr`` (a 0-d tensor) are read by the kernel: no host sync
+    on an accelerator (on the CPU, the kernel reads them as numbers itself)."""
+    kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
+    for idx in _groups(out):
+        device = out[idx[0]].device
+        step = count.to(device=device, dtype=torch.float32)  # the kernels read a float32 step
+        kernel(
+            [out[i] for i in idx],
+            [grads[i] for i in idx],
+            [mu[i] for i in idx],
+            [nu[i] for i in idx],
+            [],
+            [step] * len(idx),
+            lr=lr.to(device=device, dtype=torch.float32),
+            beta1=b1,
+            beta2=b2,
+            weight_decay=weight_decay,
+            eps=eps,
+            amsgrad=False,
+            maximize=False,
+        )
+
+
+def fused_sgd_(
+    out: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    momentum_buffers: list[torch.Tensor],
+    lr: torch.Tensor,
+    *,
+    momentum: float,
+    nesterov: bool,
+    weight_decay: float = 0.0,
+) -> None:
+    """One SGD step in torch's fused kernel, in place: each buffer becomes ``momentum * buf + g``
+    (none without momentum) and ``out[i] -= lr * d`` with ``d`` the buffer (``g + momentum *
+    buf`` with nesterov; ``g`` without momentum), after the L2 term ``g += weight_decay * out``.
+    ``out`` is the params in torch.optim (and in ftrain's ``leaf_apply``); for an update ftrain
+    passes zeros, so that ``out`` ends as the update. ``grads`` are read, not written."""
+    for idx in _groups(out):
+        device = out[idx[0]].device
+        torch._fused_sgd_(
+            [out[i] for i in idx],
+            [grads[i] for i in idx],
+            [momentum_buffers[i] for i in idx] if momentum else [],
+            weight_decay=weight_decay,
+            momentum=momentum,
+            lr=lr.to(device=device, dtype=torch.float32),
+            dampening=0.0,
+            nesterov=nesterov,
+            maximize=False,
+            is_first_step=False,  # the buffers start at zero: momentum * 0 + g is g, exactly
+        )

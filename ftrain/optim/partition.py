@@ -12,7 +12,14 @@ from collections.abc import Callable, Mapping
 from tensordict import TensorDict, TensorDictBase
 
 from ftrain import tree
-from ftrain.optim.base import GradientTransformation, LeafContext, leaf_update, leafwise
+from ftrain.optim.base import (
+    GradientTransformation,
+    LeafContext,
+    has_own_apply,
+    leaf_apply,
+    leaf_update,
+    leafwise,
+)
 from ftrain.tree import TreeDef
 
 __all__ = ["partition"]
@@ -167,7 +174,7 @@ def partition(
             states[label] = transforms[label].init(sub.unflatten([leaves[i] for i in idx]))
         return TensorDict(states, batch_size=[])
 
-    def update(u, s, p, ctx):
+    def update(u, s, p, ctx, fns=fns):
         groups = resolve(ctx.tree, p if p is not None else u)
         sdef = ctx.state
         entries = [e if isinstance(e, str) else e[0] for e in sdef.sig]
@@ -187,4 +194,11 @@ def partition(
                 out[i] = x
         return out, new_s
 
-    return leafwise(init, update)
+    apply = None
+    if any(has_own_apply(t) for t in transforms.values()):  # a fused kernel writes its params
+        applies = {label: leaf_apply(t) for label, t in transforms.items()}
+
+        def apply(g, s, p, ctx):  # each group's params, written by its transform
+            return update(g, s, p, ctx, applies)
+
+    return leafwise(init, update, apply)
