@@ -18,6 +18,11 @@ float32 rounding (about 1e-6 relative), not bit for bit. Everything else (a GPU,
 switched off with ``torch.backends.mkldnn.flags(enabled=False)``, a machine that is not x86)
 takes ``F.linear`` unchanged. ``GPTConfig.matmul`` chooses between this layer and ``nn.Linear``.
 
+Which one is faster depends on the processor: oneDNN wins on that Zen 5 machine, MKL on Intel
+Xeons (1.1-1.2x faster there) and, at small sizes, on Zen 4. :func:`faster_linear` times both on a
+model's own shapes and says which; its answers are kept in a small JSON file keyed by processor,
+torch version, threads and shapes (:func:`kernel_cache_path`), so a machine times a model once.
+
 This module is the adapter to two private torch APIs, used nowhere else in ftrain:
 ``torch.ops.mkldnn._linear_pointwise`` (the oneDNN kernel) and
 ``torch._C._functorch.is_functorch_wrapped_tensor`` (see ``_functorch_wrapped``).
@@ -25,7 +30,14 @@ This module is the adapter to two private torch APIs, used nowhere else in ftrai
 
 from __future__ import annotations
 
+import json
+import math
+import os
 import platform
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +50,10 @@ __all__ = [
     "linear",
     "Linear",
     "onednn_linear_available",
+    "faster_linear",
+    "time_linears",
+    "kernel_cache_path",
+    "KERNELS",
     "MATMUL_OPS",
     "MIN_MACS",
     "MIN_MACS_WEIGHT_GRAD",
@@ -45,8 +61,9 @@ __all__ = [
 
 
 def onednn_linear_available() -> bool:
-    """Whether this torch build has the oneDNN linear kernel and this is an x86 machine (where it
-    is measured to be the faster one; elsewhere ``linear`` is ``F.linear``)."""
+    """Whether this torch build has the oneDNN linear kernel and this is an x86 machine (elsewhere
+    ``linear`` is ``F.linear``). Whether it is also the faster one here, :func:`faster_linear`
+    measures."""
     return (
         platform.machine().lower() in ("x86_64", "amd64")
         and torch.backends.mkldnn.is_available()
@@ -196,3 +213,163 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
+
+
+# --- which kernel is faster on this machine -------------------------------------------------------
+
+#: The answers of :func:`faster_linear`: the oneDNN path of :func:`linear`, or torch's ``F.linear``.
+KERNELS = ("onednn", "torch")
+
+# oneDNN is taken only where it needs under this fraction of torch's time: a tie, or a gain within
+# the timing noise of a loaded machine, keeps torch's own kernel (and its summation order).
+MARGIN = 0.95
+# A model whose oneDNN-sized products come to fewer multiply-adds per forward than this (about a
+# millisecond of a step's matmuls on 2 cores) keeps torch's own kernel untimed: what either kernel
+# could gain there is below what a timing on a busy machine resolves, and below a step's overhead.
+MIN_TIMED_MACS = 1 << 24
+# Multiply-adds one timed pass over a model's shapes may cost: about 0.1 s on 2 cores. Larger
+# models are timed on fewer rows (never under TIMING_MIN_ROWS), where the ratio is already that of
+# their full batch (both kernels are compute-bound there).
+TIMING_MACS = 1 << 33
+TIMING_MIN_ROWS = 512
+TIMING_REPEATS = 4
+
+
+def time_linears(
+    shapes: Sequence[tuple[int, int, int]], rows: int, *, repeats: int = TIMING_REPEATS
+) -> dict[str, float]:
+    """Seconds that one forward and backward (``dx`` and ``dW``) of every linear in ``shapes``
+    take with each kernel of ``KERNELS`` on ``rows`` rows of float32 on the CPU.
+
+    ``shapes``: ``(d_in, d_out, count)`` per distinct layer shape, ``count`` the layers of that
+    shape (each shape is timed once and its time counted ``count`` times).
+
+    **Invariant:** the kernels are timed interleaved, in alternating order, after one warm-up
+    pass; each time is the best of ``repeats`` passes (the least disturbed by other work on the
+    machine). Nothing outside the call changes: its inputs come from a private generator, so the
+    global random state is untouched.
+    """
+    g = torch.Generator().manual_seed(0)
+    kernels = {"onednn": linear, "torch": F.linear}
+    with torch.inference_mode(False), torch.enable_grad(), torch.autocast("cpu", enabled=False):
+        cases = [
+            (
+                count,
+                torch.randn(rows, d_in, generator=g, device="cpu", requires_grad=True),  # x
+                torch.randn(d_out, d_in, generator=g, device="cpu", requires_grad=True),  # W
+                torch.randn(rows, d_out, generator=g, device="cpu"),  # dy
+            )
+            for d_in, d_out, count in shapes
+        ]
+        best = dict.fromkeys(kernels, math.inf)
+        for rep in range(repeats + 1):  # pass 0 warms up: oneDNN builds its primitives there
+            order = list(kernels) if rep % 2 else list(reversed(kernels))
+            for name in order:
+                seconds = 0.0
+                for count, x, w, dy in cases:
+                    start = time.perf_counter()
+                    torch.autograd.grad(kernels[name](x, w), (x, w), dy)
+                    seconds += count * (time.perf_counter() - start)
+                if rep > 0:
+                    best[name] = min(best[name], seconds)
+    return best
+
+
+def kernel_cache_path() -> Path:
+    """The JSON file that keeps :func:`faster_linear`'s answers: ``$FTRAIN_CACHE_DIR`` (else
+    ``$XDG_CACHE_HOME/ftrain``, else ``~/.cache/ftrain``) ``/kernels.json``. Delete it to time
+    again (e.g. after a measurement on a busy machine)."""
+    root = os.environ.get("FTRAIN_CACHE_DIR")
+    if root is None:
+        xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        root = os.path.join(xdg, "ftrain")
+    return Path(root) / "kernels.json"
+
+
+def faster_linear(
+    shapes: Sequence[tuple[int, int, int]],
+    rows: int,
+    *,
+    cache: str | os.PathLike | None = "default",
+) -> str:
+    """Which kernel of ``KERNELS`` runs a model's linears faster on this machine: ``"onednn"``
+    (:func:`linear`) or ``"torch"`` (``F.linear``), for ``rows`` rows (batch * sequence length)
+    of float32 on the CPU. ``shapes`` as in :func:`time_linears`.
+
+    ``"torch"`` without timing where the oneDNN path would not run: no oneDNN kernel or not x86
+    (``onednn_linear_available``), oneDNN switched off (``torch.backends.mkldnn.flags``), a
+    default device that is not the CPU (a GPU or ``meta``: there both are ``F.linear``), or too
+    little work on oneDNN's side to tell (under ``MIN_TIMED_MACS`` multiply-adds per forward in
+    products of at least ``MIN_MACS``). Otherwise both are timed (:func:`time_linears`,
+    on at most ``TIMING_MACS // macs-per-row`` rows) unless ``cache`` (a JSON file;
+    ``"default"``: :func:`kernel_cache_path`; None: none) already holds the answer for this
+    processor, torch version, number of threads, rows and shapes.
+
+    **Invariant:** ``"onednn"`` only where it measured under ``MARGIN`` (0.95) of torch's time,
+    so the answer is never slower than torch's own beyond timing noise. The two kernels agree to
+    float32 rounding (about 1e-6 relative), not bitwise: a run that must continue bit for bit
+    (resume) records the answer and forces it (``GPTConfig(matmul=answer)``) rather than asking
+    again.
+    """
+    if not isinstance(rows, int) or isinstance(rows, bool) or rows < 1:
+        raise ValueError(f"faster_linear: rows={rows!r} must be an int >= 1 (batch * seq_len).")
+    onednn_macs = sum(c * rows * i * o for i, o, c in shapes if rows * i * o >= MIN_MACS)
+    if not (
+        _AVAILABLE
+        and torch.backends.mkldnn.enabled
+        and torch.get_default_device().type == "cpu"
+        and onednn_macs >= MIN_TIMED_MACS
+    ):
+        return "torch"
+    shapes = sorted({(int(i), int(o), int(c)) for i, o, c in shapes})
+    rows = min(rows, max(TIMING_MIN_ROWS, TIMING_MACS // (3 * sum(i * o for i, o, _ in shapes))))
+    path = kernel_cache_path() if cache == "default" else cache
+    key = json.dumps([_processor(), torch.__version__, torch.get_num_threads(), rows, shapes])
+    answers = _read_cache(path) if path is not None else {}
+    if key in answers and answers[key].get("choice") in KERNELS:
+        return answers[key]["choice"]
+    seconds = time_linears(shapes, rows)
+    choice = "onednn" if seconds["onednn"] < MARGIN * seconds["torch"] else "torch"
+    if path is not None:
+        answers[key] = {"choice": choice, **seconds}
+        _write_cache(path, answers)
+    return choice
+
+
+def _processor() -> str:
+    """The processor's name, family and model (Linux ``/proc/cpuinfo``), else what ``platform``
+    knows: the part of the cache key that tells an AMD EPYC from an Intel Xeon."""
+    fields = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                name, _, value = line.partition(":")
+                if name.strip() in ("model name", "cpu family", "model"):
+                    fields.setdefault(name.strip(), value.strip())
+                if not line.strip():
+                    break  # the first processor's block is enough
+    except OSError:
+        pass
+    return " / ".join(fields.values()) or f"{platform.processor()} {platform.machine()}"
+
+
+def _read_cache(path: str | os.PathLike) -> dict:
+    try:
+        with open(path) as f:
+            answers = json.load(f)
+    except (OSError, ValueError):  # none yet, or damaged: time again and rewrite it
+        return {}
+    return answers if isinstance(answers, dict) else {}
+
+
+def _write_cache(path: str | os.PathLike, answers: dict) -> None:
+    """Atomically (a temporary file renamed over it), so that processes timing at once never
+    leave half a file; a cache that cannot be written is skipped, not an error."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
+            json.dump(answers, f, indent=1, sort_keys=True)
+        os.replace(f.name, path)
+    except OSError:
+        pass
