@@ -233,10 +233,15 @@ MIN_TIMED_MACS = 1 << 24
 TIMING_MACS = 1 << 33
 TIMING_MIN_ROWS = 512
 TIMING_REPEATS = 4
+TIMING_SECONDS = 1.0  # passes continue for this long: more chances of an undisturbed run of each
 
 
 def time_linears(
-    shapes: Sequence[tuple[int, int, int]], rows: int, *, repeats: int = TIMING_REPEATS
+    shapes: Sequence[tuple[int, int, int]],
+    rows: int,
+    *,
+    repeats: int = TIMING_REPEATS,
+    seconds: float = TIMING_SECONDS,
 ) -> dict[str, float]:
     """Seconds that one forward and backward (``dx`` and ``dW``) of every linear in ``shapes``
     take with each kernel of ``KERNELS`` on ``rows`` rows of float32 on the CPU.
@@ -245,9 +250,10 @@ def time_linears(
     shape (each shape is timed once and its time counted ``count`` times).
 
     **Invariant:** the kernels are timed interleaved, in alternating order, after one warm-up
-    pass; each time is the best of ``repeats`` passes (the least disturbed by other work on the
-    machine). Nothing outside the call changes: its inputs come from a private generator, so the
-    global random state is untouched.
+    pass: at least ``repeats`` passes, more while the passes so far took under ``seconds`` (at
+    most 100). Each shape's time is its best over the passes (the run least disturbed by other
+    work on the machine). Nothing outside the call changes: its inputs come from a private
+    generator, so the global random state is untouched.
     """
     g = torch.Generator().manual_seed(0)
     kernels = {"onednn": linear, "torch": F.linear}
@@ -261,18 +267,18 @@ def time_linears(
             )
             for d_in, d_out, count in shapes
         ]
-        best = dict.fromkeys(kernels, math.inf)
-        for rep in range(repeats + 1):  # pass 0 warms up: oneDNN builds its primitives there
-            order = list(kernels) if rep % 2 else list(reversed(kernels))
-            for name in order:
-                seconds = 0.0
-                for count, x, w, dy in cases:
-                    start = time.perf_counter()
+        best = {name: [math.inf] * len(cases) for name in kernels}
+        start = time.perf_counter()
+        rep = 0
+        while rep <= repeats or (time.perf_counter() - start < seconds and rep <= 100):
+            for name in list(kernels) if rep % 2 else list(reversed(kernels)):
+                for i, (_, x, w, dy) in enumerate(cases):
+                    t = time.perf_counter()
                     torch.autograd.grad(kernels[name](x, w), (x, w), dy)
-                    seconds += count * (time.perf_counter() - start)
-                if rep > 0:
-                    best[name] = min(best[name], seconds)
-    return best
+                    if rep > 0:  # pass 0 warms up: oneDNN builds its primitives there
+                        best[name][i] = min(best[name][i], time.perf_counter() - t)
+            rep += 1
+    return {name: sum(c[0] * t for c, t in zip(cases, times)) for name, times in best.items()}
 
 
 def kernel_cache_path() -> Path:
