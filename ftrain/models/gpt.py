@@ -11,7 +11,8 @@ The module holds parameters only (no buffers, nothing written to ``self`` during
 can be used as a stateless template through ``torch.func.functional_call`` / ``ft.apply``. With
 ``n_experts > 0`` each block's feed-forward is a mixture of experts (``ftrain.models.moe``), whose
 load-balancing loss comes back as a value: ``logits, aux = model(idx, return_aux=True)``.
-``GPTConfig.matmul`` picks the matmul of every linear layer (``MATMULS``). Train one on bytes with
+``GPTConfig.matmul`` picks the matmul kernel of every linear layer (``MATMULS``; ``"auto"``, the
+default, takes the one measured faster on this machine for this model: ``choose_matmul``). Train one on bytes with
 ``ftrain train`` (``ftrain train --help`` lists the model flags).
 
 References:

@@ -197,8 +197,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     On an x86 CPU with float32 tensors (and no CPU autocast), when the product is large enough to
     pay for oneDNN's call overhead (``MIN_MACS``), the matmuls of a training step (forward,
-    ``dx = dy @ W`` and, when large enough, ``dW = dy.T @ x``) run in oneDNN, about 2x faster
-    than MKL on AMD processors; the bias gradient is a sum. Otherwise it is ``F.linear``. Second
+    ``dx = dy @ W`` and, when large enough, ``dW = dy.T @ x``) run in oneDNN (about 2x MKL's speed
+    on a Zen 5 processor, slower than MKL on Intel Xeons: :func:`faster_linear` measures which);
+    the bias gradient is a sum. Otherwise it is ``F.linear``. Second
     derivatives are not supported on the oneDNN path (``create_graph=True`` through it raises).
     Under ``torch.compile`` the oneDNN calls are one custom op, ``ftrain::onednn_linear``.
     """
@@ -252,7 +253,7 @@ def time_linears(
     **Invariant:** the kernels are timed interleaved, in alternating order, after one warm-up
     pass: at least ``repeats`` passes, more while the passes so far took under ``seconds`` (at
     most 100). Each shape's time is its best over the passes (the run least disturbed by other
-    work on the machine). Nothing outside the call changes: its inputs come from a private
+    work on the machine); with one torch thread, CPU time of this thread, else wall time. Nothing outside the call changes: its inputs come from a private
     generator, so the global random state is untouched.
     """
     g = torch.Generator().manual_seed(0)
@@ -267,16 +268,19 @@ def time_linears(
             )
             for d_in, d_out, count in shapes
         ]
+        # one torch thread computes in this thread: its CPU time, which waiting for a core (on a
+        # busy machine) does not inflate. Several: wall time, what the run will see.
+        clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
         best = {name: [math.inf] * len(cases) for name in kernels}
         start = time.perf_counter()
         rep = 0
         while rep <= repeats or (time.perf_counter() - start < seconds and rep <= 100):
             for name in list(kernels) if rep % 2 else list(reversed(kernels)):
                 for i, (_, x, w, dy) in enumerate(cases):
-                    t = time.perf_counter()
+                    t = clock()
                     torch.autograd.grad(kernels[name](x, w), (x, w), dy)
                     if rep > 0:  # pass 0 warms up: oneDNN builds its primitives there
-                        best[name][i] = min(best[name][i], time.perf_counter() - t)
+                        best[name][i] = min(best[name][i], clock() - t)
             rep += 1
     return {name: sum(c[0] * t for c, t in zip(cases, times)) for name, times in best.items()}
 
