@@ -298,11 +298,14 @@ def test_auto_takes_the_kernel_that_timed_faster(monkeypatch, tmp_path, seconds,
 @pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")  # mkldnn.flags()
 def test_auto_falls_back_to_torch_untimed_where_onednn_cannot_run(monkeypatch, tmp_path):
     """Where the oneDNN path would not run (oneDNN switched off, a model built for another
-    device, a model too small for oneDNN's side to matter) 'auto' is 'torch' without timing."""
+    device or on fake tensors, a model too small for oneDNN's side to matter) 'auto' is 'torch'
+    without timing."""
     asked = fake_timing(monkeypatch, tmp_path, 1.0, 2.0)  # oneDNN would win, were it timed
     with torch.backends.mkldnn.flags(enabled=False):
         assert make(**TIMED).matmul == "torch"
     with torch.device("meta"):
+        assert make(**TIMED).matmul == "torch"
+    with torch._subclasses.FakeTensorMode():  # a model built to be planned, not run
         assert make(**TIMED).matmul == "torch"
     assert tiny_gpt().matmul == "torch"  # d 32: 8M multiply-adds a forward
     assert asked == []

@@ -308,7 +308,8 @@ def faster_linear(
 
     ``"torch"`` without timing where the oneDNN path would not run: no oneDNN kernel or not x86
     (``onednn_linear_available``), oneDNN switched off (``torch.backends.mkldnn.flags``), a
-    default device that is not the CPU (a GPU or ``meta``: there both are ``F.linear``), or too
+    default device that is not the CPU (a GPU or ``meta``: there both are ``F.linear``), fake
+    tensors (a model built under ``FakeTensorMode`` to be planned, not run), or too
     little work on oneDNN's side to tell (under ``MIN_TIMED_MACS`` multiply-adds per forward in
     products of at least ``MIN_MACS``). Otherwise both are timed (:func:`time_linears`,
     on at most ``TIMING_MACS // macs-per-row`` rows) unless ``cache`` (a JSON file;
@@ -328,6 +329,7 @@ def faster_linear(
         _AVAILABLE
         and torch.backends.mkldnn.enabled
         and torch.get_default_device().type == "cpu"
+        and type(torch.empty(0)) is torch.Tensor  # not under FakeTensorMode (planning a model)
         and onednn_macs >= MIN_TIMED_MACS
     ):
         return "torch"
