@@ -3,6 +3,7 @@
 oneDNN cannot or should not run."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -254,9 +255,15 @@ def test_time_linears_times_both_kernels_and_leaves_the_random_state_alone():
         assert set(seconds) == set(onednn.KERNELS)
 
 
+@pytest.fixture
+def quiet(monkeypatch):
+    """A machine with its cores free (no other load), whatever else runs beside the tests."""
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+
+
 @needs_onednn
 def test_faster_linear_caches_its_answer_per_processor_torch_threads_rows_and_shapes(
-    monkeypatch, tmp_path
+    monkeypatch, tmp_path, quiet
 ):
     timings = []
 
@@ -289,7 +296,7 @@ def test_faster_linear_caches_its_answer_per_processor_torch_threads_rows_and_sh
 
 
 @needs_onednn
-def test_faster_linear_times_large_models_on_fewer_rows():
+def test_faster_linear_times_large_models_on_fewer_rows(quiet):
     """A GPT-2-sized head is timed on TIMING_MIN_ROWS rows, not the run's 16k, and answers."""
     shapes = [(768, 2304, 12), (768, 50304, 1)]
     rows_seen = []
@@ -316,3 +323,29 @@ def test_kernel_cache_path_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.delenv("FTRAIN_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
     assert onednn.kernel_cache_path() == tmp_path / "x" / "ftrain" / "kernels.json"
+
+
+@needs_onednn
+def test_a_busy_machine_keeps_torch_untimed_and_uncached_with_several_threads(
+    monkeypatch, tmp_path
+):
+    """With other work on every core, several threads' timing measures the scheduler: 'torch',
+    nothing timed or cached; one thread is timed (by its CPU time) whatever the load."""
+    timings = []
+
+    def time_linears(shapes, rows, **_):
+        timings.append(rows)
+        return {"onednn": 1.0, "torch": 2.0}
+
+    monkeypatch.setattr(onednn, "time_linears", time_linears)
+    monkeypatch.setattr(os, "getloadavg", lambda: (float(os.cpu_count()), 0.0, 0.0))
+    cache = tmp_path / "kernels.json"
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert faster_linear(SHAPES, 1024, cache=cache) == "torch"
+        assert timings == [] and not cache.exists()
+        torch.set_num_threads(1)
+        assert faster_linear(SHAPES, 1024, cache=cache) == "onednn" and timings == [1024]
+    finally:
+        torch.set_num_threads(threads)

@@ -314,7 +314,9 @@ def faster_linear(
     products of at least ``MIN_MACS``). Otherwise both are timed (:func:`time_linears`,
     on at most ``TIMING_MACS // macs-per-row`` rows) unless ``cache`` (a JSON file;
     ``"default"``: :func:`kernel_cache_path`; None: none) already holds the answer for this
-    processor, torch version, number of threads, rows and shapes.
+    processor, torch version, number of threads, rows and shapes. With several torch threads on
+    a machine whose load leaves them no free cores, a timing would measure the scheduler: the
+    answer is then ``"torch"``, untimed and not cached (a later build on a quiet machine times).
 
     **Invariant:** ``"onednn"`` only where it measured under ``MARGIN`` (0.95) of torch's time,
     so the answer is never slower than torch's own beyond timing noise. The two kernels agree to
@@ -340,12 +342,28 @@ def faster_linear(
     answers = _read_cache(path) if path is not None else {}
     if key in answers and answers[key].get("choice") in KERNELS:
         return answers[key]["choice"]
+    if _busy():
+        return "torch"  # a timing now would measure the scheduler: keep torch's, cache nothing
     seconds = time_linears(shapes, rows)
     choice = "onednn" if seconds["onednn"] < MARGIN * seconds["torch"] else "torch"
     if path is not None:
         answers[key] = {"choice": choice, **seconds}
         _write_cache(path, answers)
     return choice
+
+
+def _busy() -> bool:
+    """Whether other work holds the cores that several torch threads would time on (the 1-minute
+    load average plus our threads above the cores). Then OpenMP's threads wait for each other at
+    every parallel region for a whole scheduler slice, and the kernel with fewer regions looks
+    twice as fast: on a 2-core AMD EPYC at load 3, oneDNN timed 0.5x torch's where it is 1.2x on
+    the quiet machine. One thread is timed by its own CPU time, which such waits do not inflate."""
+    threads = torch.get_num_threads()
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # no load average (Windows): assume a quiet machine
+        return False
+    return threads > 1 and load + threads > (os.cpu_count() or 1) + 0.5
 
 
 def _processor() -> str:
