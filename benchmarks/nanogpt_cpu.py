@@ -266,7 +266,8 @@ KERNEL_TEXT = """`python benchmarks/nanogpt_cpu.py{args}`. {machine}; {cpu_id}; 
 `GPTConfig(matmul="auto")` times oneDNN and torch's own matmul (MKL) once on the model's linear
 shapes at the run's batch * seq_len rows (`ftrain.models.choose_matmul`; the answer is cached by
 processor, torch version, threads and shapes) and takes oneDNN only where it needs under 0.95 of
-torch's time. One donated AdamW step: CPU ms of this process (judged; waiting for a core does
+torch's time (one thread: timed in CPU time; several threads on a machine with no free core:
+torch's, untimed, for such a timing measures the scheduler's slices, not the kernels). One donated AdamW step: CPU ms of this process (judged; waiting for a core does
 not inflate it), median of {n} interleaved rounds, and the ratios to torch's matmul in CPU time
 and in wall time:
 
