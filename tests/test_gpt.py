@@ -2,6 +2,7 @@
 and the matmul its linears use (GPTConfig.matmul)."""
 
 import math
+import os
 from functools import partial
 
 import pytest
@@ -10,8 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ftrain import data
-from ftrain.models import GPT, GPTConfig, Linear, num_params, onednn_linear_available
-from ftrain.models.gpt import document_mask
+from ftrain.models import GPT, GPTConfig, choose_matmul, num_params, onednn_linear_available
+from ftrain.models.gpt import MATMULS, document_mask
 
 from _hf import packed_and_alone
 from _tiny import TINY_GPT, tiny_gpt
@@ -177,7 +178,7 @@ def test_init_is_gpt2_style(n_experts):
         (dict(d_ff=0), "d_ff=0"),
         (dict(aux_loss_weight=-1.0), "aux_loss_weight=-1.0"),
         (dict(norm_eps=0.0), "norm_eps=0.0"),
-        (dict(matmul="onednn"), "matmul='onednn' must be one of \\['auto', 'torch'\\]"),
+        (dict(matmul="mkl"), "matmul='mkl' must be one of \\['auto', 'onednn', 'torch'\\]"),
     ],
 )
 def test_config_validation_names_the_field(kw, field):
@@ -204,11 +205,15 @@ def test_config_defaults():
 
 @pytest.mark.parametrize("kw", [SMALL, MOE], ids=["dense", "moe"])
 def test_matmul_selects_the_class_of_every_linear(kw):
-    """'auto' builds every linear (qkv, proj, fc, the MoE router, an untied lm head) as
-    ftrain.models.Linear, 'torch' as a plain nn.Linear; parameters are the same either way."""
+    """'onednn' builds every linear (qkv, proj, fc, the MoE router, an untied lm head) as
+    ftrain.models.Linear, 'torch' as a plain nn.Linear, 'auto' as the kernel it resolved to
+    (model.matmul); parameters are the same either way."""
     built = {}
-    for matmul, cls in (("auto", Linear), ("torch", nn.Linear)):
+    for matmul in ("onednn", "torch", "auto"):
         model = make(**kw, tie_weights=False, matmul=matmul)
+        assert model.matmul == choose_matmul(model.config) and model.matmul in MATMULS
+        assert model.config.matmul == matmul  # the config as given; the answer on the model
+        cls = MATMULS[model.matmul][0]
         linears = {n: type(m) for n, m in model.named_modules() if isinstance(m, nn.Linear)}
         # per block: attn.qkv, attn.proj, then mlp.fc, mlp.proj or the MoE router; then lm_head
         per_block = 4 if kw is SMALL else 3
@@ -216,18 +221,17 @@ def test_matmul_selects_the_class_of_every_linear(kw):
         assert set(linears.values()) == {cls}, linears
         built[matmul] = model
     assert GPTConfig().matmul == "auto"
+    assert built["onednn"].matmul == "onednn" and built["torch"].matmul == "torch"
     for (n, a), (m, b) in zip(
-        built["auto"].named_parameters(), built["torch"].named_parameters(), strict=True
+        built["onednn"].named_parameters(), built["torch"].named_parameters(), strict=True
     ):
         assert n == m and torch.equal(a, b), n  # same init from the same seed
 
 
 def test_the_matmul_table_is_read_only():
-    from ftrain.models.gpt import MATMULS
-
     with pytest.raises(TypeError):
         MATMULS["mine"] = (nn.Linear, torch.nn.functional.linear)  # type: ignore[index]
-    assert set(MATMULS) == {"auto", "torch"}
+    assert set(MATMULS) == {"onednn", "torch"}
 
 
 def took_onednn(y: torch.Tensor) -> bool:
@@ -235,22 +239,82 @@ def took_onednn(y: torch.Tensor) -> bool:
 
 
 @pytest.mark.parametrize("kw", [{}, dict(n_experts=2, top_k=1)], ids=["dense", "moe"])
-def test_auto_and_torch_matmuls_give_the_same_loss_and_gradients(kw):
-    """A GPT wide enough that 'auto' sends its matmuls to oneDNN (where this machine has it) and
-    the same GPT with 'torch' (F.linear): equal loss and gradients to float32 rounding."""
+def test_onednn_and_torch_matmuls_give_the_same_loss_and_gradients(kw):
+    """A GPT wide enough that 'onednn' sends its matmuls to oneDNN (where this machine has it)
+    and the same GPT with 'torch' (F.linear): equal loss and gradients to float32 rounding."""
     cfg = dict(vocab_size=64, seq_len=64, d_model=64, n_layer=2, n_head=2, **kw)
     idx = tokens(rows=8, length=64, vocab=64)
     results = []
-    for matmul in ("auto", "torch"):
+    for matmul in ("onednn", "torch"):
         model = make(**cfg, matmul=matmul)
         qkv = model.blocks[0].attn.qkv(torch.randn(8, 64, 64, requires_grad=True))
-        assert took_onednn(qkv) == (matmul == "auto" and onednn_linear_available())
+        assert took_onednn(qkv) == (matmul == "onednn" and onednn_linear_available())
         logits, aux = model(idx, return_aux=True)
         loss = F.cross_entropy(logits.flatten(0, 1), idx.roll(-1, 1).flatten())
         loss = loss + sum(aux.values())
         results.append([loss, *torch.autograd.grad(loss, list(model.parameters()))])
     for a, b in zip(*results, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def fake_timing(monkeypatch, tmp_path, onednn: float, torch_: float) -> list:
+    """Route faster_linear's cache to ``tmp_path`` and make every timing answer these seconds;
+    returns the list of (shapes, rows) it was asked to time."""
+    from ftrain.models import onednn as onednn_module
+
+    asked = []
+
+    def time_linears(shapes, rows, **_):
+        asked.append((shapes, rows))
+        return {"onednn": onednn, "torch": torch_}
+
+    monkeypatch.setenv("FTRAIN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(onednn_module, "time_linears", time_linears)
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))  # a quiet machine: timed
+    return asked
+
+
+# large enough to be timed: 16 * 64 rows of d 64 (about 50M multiply-adds a forward in oneDNN)
+TIMED = dict(vocab_size=64, seq_len=64, d_model=64, n_layer=2, n_head=2)
+
+
+@pytest.mark.skipif(not onednn_linear_available(), reason="no oneDNN linear kernel here")
+@pytest.mark.parametrize("seconds, want", [((1.0, 2.0), "onednn"), ((0.97, 1.0), "torch"),
+                                           ((2.0, 1.0), "torch")])  # fmt: skip
+def test_auto_takes_the_kernel_that_timed_faster(monkeypatch, tmp_path, seconds, want):
+    """'auto' resolves to what the timing says (oneDNN only when under 0.95 of torch's time: a
+    3% lead is noise), on the model's own shapes at 16 * seq_len rows; a second model of the
+    same shapes reads the answer from the cache instead of timing again."""
+    asked = fake_timing(monkeypatch, tmp_path, *seconds)
+    model = make(**TIMED)
+    assert model.matmul == want
+    assert set(type(m) for m in model.modules() if isinstance(m, nn.Linear)) == {MATMULS[want][0]}
+    ((shapes, rows),) = asked
+    assert rows == 16 * 64 and sorted(shapes) == sorted(
+        [(64, 192, 2), (64, 64, 2), (64, 256, 2), (256, 64, 2), (64, 64, 1)]
+    )
+    assert make(**TIMED, dropout=0.1).matmul == want and len(asked) == 1  # cached
+    assert choose_matmul(GPTConfig(**TIMED), rows=4096) == want and len(asked) == 2  # new rows
+
+
+@pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")  # mkldnn.flags()
+def test_auto_falls_back_to_torch_untimed_where_onednn_cannot_run(monkeypatch, tmp_path):
+    """Where the oneDNN path would not run (oneDNN switched off, a model built for another
+    device or on fake tensors, a model too small for oneDNN's side to matter) 'auto' is 'torch'
+    without timing."""
+    asked = fake_timing(monkeypatch, tmp_path, 1.0, 2.0)  # oneDNN would win, were it timed
+    with torch.backends.mkldnn.flags(enabled=False):
+        assert make(**TIMED).matmul == "torch"
+    with torch.device("meta"):
+        assert make(**TIMED).matmul == "torch"
+    with torch._subclasses.FakeTensorMode():  # a model built to be planned, not run
+        assert make(**TIMED).matmul == "torch"
+    assert tiny_gpt().matmul == "torch"  # d 32: 8M multiply-adds a forward
+    assert asked == []
+    assert make(**TIMED, matmul="onednn").matmul == "onednn"  # forced: never timed either
+    assert asked == []
+    if onednn_linear_available():
+        assert make(**TIMED).matmul == "onednn" and len(asked) == 1
 
 
 def test_docstring_examples_run():

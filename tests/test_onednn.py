@@ -2,14 +2,17 @@
 (values and every gradient), on both weight-gradient branches, and shown to step aside where
 oneDNN cannot or should not run."""
 
+import json
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import ftrain as ft
-from ftrain.models import Linear, linear, onednn_linear_available
-from ftrain.models.onednn import MATMUL_OPS, MIN_MACS, MIN_MACS_WEIGHT_GRAD
+from ftrain.models import Linear, linear, onednn, onednn_linear_available
+from ftrain.models.onednn import MATMUL_OPS, MIN_MACS, MIN_MACS_WEIGHT_GRAD, faster_linear
 from ftrain.testing import assert_steps_close, max_rel_error, saved_activation_bytes
 
 from _tiny import lm_batch, lm_loss, tiny_gpt
@@ -127,7 +130,7 @@ def test_second_derivative_through_onednn_is_refused():
 # --- in a training step ---------------------------------------------------------------------------
 
 # 512 tokens of d 64: qkv, fc, proj and the lm head are large enough for oneDNN.
-CFG = dict(seq_len=64, d_model=64, n_head=1, bias=False)
+CFG = dict(seq_len=64, d_model=64, n_head=1, bias=False, matmul="onednn")
 
 
 def gpt_step():
@@ -234,3 +237,115 @@ def test_a_compiled_torch_func_transform_keeps_f_linear():
         got = torch.compile(per_member, backend="eager", fullgraph=True)(w, x)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
     torch._dynamo.reset()
+
+
+# --- which kernel is faster: timing and its cache -------------------------------------------------
+
+SHAPES = [(64, 192, 2), (64, 256, 2), (256, 64, 2)]  # at 1024 rows: 96M multiply-adds in oneDNN
+
+
+def test_time_linears_times_both_kernels_and_leaves_the_random_state_alone():
+    before = torch.random.get_rng_state()
+    seconds = onednn.time_linears([(64, 192, 2), (256, 64, 1)], 256, repeats=2, seconds=0)
+    assert set(seconds) == set(onednn.KERNELS)
+    assert all(0.0 < s < 10.0 for s in seconds.values()), seconds
+    assert torch.equal(torch.random.get_rng_state(), before)
+    with torch.inference_mode():  # a model built under inference mode still gets a timing
+        seconds = onednn.time_linears([(64, 192, 1)], 64, repeats=1, seconds=0)
+        assert set(seconds) == set(onednn.KERNELS)
+
+
+@pytest.fixture
+def quiet(monkeypatch):
+    """A machine with its cores free (no other load), whatever else runs beside the tests."""
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+
+
+@needs_onednn
+def test_faster_linear_caches_its_answer_per_processor_torch_threads_rows_and_shapes(
+    monkeypatch, tmp_path, quiet
+):
+    timings = []
+
+    def time_linears(shapes, rows, **_):
+        timings.append((shapes, rows))
+        return {"onednn": 1.0, "torch": 2.0}
+
+    monkeypatch.setattr(onednn, "time_linears", time_linears)
+    cache = tmp_path / "kernels.json"
+    assert faster_linear(SHAPES, 1024, cache=cache) == "onednn" and len(timings) == 1
+    assert faster_linear(list(reversed(SHAPES)), 1024, cache=cache) == "onednn"
+    assert len(timings) == 1  # the same shapes in another order: the same key
+    assert faster_linear(SHAPES, 2048, cache=cache) == "onednn" and len(timings) == 2
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1 if threads > 1 else 2)
+        faster_linear(SHAPES, 1024, cache=cache)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(timings) == 3
+    (key, answer), *_ = json.loads(cache.read_text()).items()
+    assert answer == {"choice": "onednn", "onednn": 1.0, "torch": 2.0}
+    assert torch.__version__ in key and onednn._processor() in key
+    cache.write_text("{ half a file")  # damaged: timed again and rewritten, not an error
+    assert faster_linear(SHAPES, 1024, cache=cache) == "onednn" and len(timings) == 4
+    assert len(json.loads(cache.read_text())) == 1
+    faster_linear(SHAPES, 1024, cache=None)  # no cache: always timed
+    faster_linear(SHAPES, 1024, cache=None)
+    assert len(timings) == 6
+
+
+@needs_onednn
+def test_faster_linear_times_large_models_on_fewer_rows(quiet):
+    """A GPT-2-sized head is timed on TIMING_MIN_ROWS rows, not the run's 16k, and answers."""
+    shapes = [(768, 2304, 12), (768, 50304, 1)]
+    rows_seen = []
+
+    def time_linears(shapes, rows, **_):
+        rows_seen.append(rows)
+        return {"onednn": 1.0, "torch": 1.0}
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(onednn, "time_linears", time_linears)
+        assert faster_linear(shapes, 16 * 1024, cache=None) == "torch"  # a tie keeps torch's
+    assert rows_seen == [onednn.TIMING_MIN_ROWS]
+
+
+@pytest.mark.parametrize("rows", [0, -1, 2.0, True])
+def test_faster_linear_refuses_bad_rows(rows):
+    with pytest.raises(ValueError, match=f"rows={rows!r} must be an int >= 1"):
+        faster_linear(SHAPES, rows, cache=None)
+
+
+def test_kernel_cache_path_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("FTRAIN_CACHE_DIR", str(tmp_path / "a"))
+    assert onednn.kernel_cache_path() == tmp_path / "a" / "kernels.json"
+    monkeypatch.delenv("FTRAIN_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
+    assert onednn.kernel_cache_path() == tmp_path / "x" / "ftrain" / "kernels.json"
+
+
+@needs_onednn
+def test_a_busy_machine_keeps_torch_untimed_and_uncached_with_several_threads(
+    monkeypatch, tmp_path
+):
+    """With other work on every core, several threads' timing measures the scheduler: 'torch',
+    nothing timed or cached; one thread is timed (by its CPU time) whatever the load."""
+    timings = []
+
+    def time_linears(shapes, rows, **_):
+        timings.append(rows)
+        return {"onednn": 1.0, "torch": 2.0}
+
+    monkeypatch.setattr(onednn, "time_linears", time_linears)
+    monkeypatch.setattr(os, "getloadavg", lambda: (float(os.cpu_count()), 0.0, 0.0))
+    cache = tmp_path / "kernels.json"
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert faster_linear(SHAPES, 1024, cache=cache) == "torch"
+        assert timings == [] and not cache.exists()
+        torch.set_num_threads(1)
+        assert faster_linear(SHAPES, 1024, cache=cache) == "onednn" and timings == [1024]
+    finally:
+        torch.set_num_threads(threads)

@@ -4,7 +4,8 @@ Two comparisons with torch:
 
 * *trajectory*: 50 steps from the same params and gradients, the gradients a fixed sequence (the
   gradient of a loss linear in the params), so both sides orthogonalize the same momentum and the
-  params differ only by float32 rounding. Gradients computed from the params would not do: a 1-ulp
+  params differ only by the rounding of the two bfloat16 Newton–Schulz kernels, which depend on
+  the processor (the bound is derived in ``bf16_trajectory_bound``). Gradients computed from the params would not do: a 1-ulp
   change of the params flips bfloat16 roundings inside Newton–Schulz, and on the tiny GPT torch's
   Muon started 1 ulp away ends 4e-2 away from itself after 50 steps.
 * *step for step* on the tiny GPT: along torch's own run, each ftrain update from torch's params,
@@ -108,8 +109,36 @@ def test_muon_matches_torch_over_50_steps(kw):
         updates, state = opt.update(tree.from_flat(step_grads), state, params)
         params = optim.apply_updates(params, updates)
     for p, k in zip(want, SHAPES):
-        assert rel(params[k], p) <= 1e-5, k
+        assert rel(params[k], p) <= bf16_trajectory_bound(p, SHAPES[k], **kw), k
         assert rel(init[k], p) > 0.1  # the run moved the params: the agreement is not trivial
+
+
+def bf16_trajectory_bound(p_end, shape, adjust_lr_fn=None, **_) -> float:
+    """What the 50-step comparison with torch can promise on any processor, relative to
+    ``||p_end||``: the rounding of two bfloat16 Newton–Schulz kernels, summed over the steps.
+
+    The gradients are fixed, so both runs orthogonalize the same momentum at every step and the
+    params differ only by what the two Newton–Schulz computations return:
+    ``p_T - p'_T = -sum_t lr_eff (1 - lr wd)^(T-t) (O_t - O'_t)``, no feedback through the params.
+    Both run in bfloat16, ftrain batching same-shape matrices (bmm) where torch runs mm, and which
+    bf16 kernel each op takes (oneDNN, AMX, the native gemm) depends on the processor. Their fp32
+    accumulation orders differ, so some elements round to neighbouring bf16 values, and the five
+    iterations carry such flips on: on these shapes, two correctly rounding kernels (fp32
+    accumulation rounded once, in two summation orders; oneDNN against the native gemm) give
+    ``||O - O'|| / ||O||`` of RMS 0.6e-3 to 1.1e-3 (800 draws per shape, peaks 1.2e-2), under one
+    bf16 ulp, 2^-8 = 3.9e-3, which this bound takes. Roundings of different steps are
+    independent, so they add as a random walk: ``||p_T - p'_T|| <= lr_eff sqrt(T) 2^-8 ||O||``,
+    with ``||O|| <= 1.3 sqrt(min(m, n))`` (singular values under 1.3, as tested above) and weight
+    decay's factors at most 1: about 1e-3 for these cases. Measured: the same kernels on both
+    sides agree to 1e-6 (AMD EPYC); an Intel Xeon's tall matrix was 8.4e-5 off; torch's side
+    run through the other kernels above gave at most 4.4e-4, each case under its bound."""
+    rows, cols = shape
+    if adjust_lr_fn == "match_rms_adamw":  # torch.optim.Muon's two rules for the step size
+        lr_eff = 0.02 * 0.2 * max(rows, cols) ** 0.5
+    else:
+        lr_eff = 0.02 * max(1.0, rows / cols) ** 0.5
+    o_norm = 1.3 * min(rows, cols) ** 0.5
+    return lr_eff * STEPS**0.5 * 2.0**-8 * o_norm / p_end.norm().item()
 
 
 def test_muon_matches_torch_step_for_step_on_a_gpt():

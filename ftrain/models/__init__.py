@@ -6,15 +6,24 @@ Any ``nn.Module`` works with ftrain; these are the ones the ``ftrain`` command a
 """
 
 from ftrain.models.flops import flops_per_token, matmul_params_per_token, num_params
-from ftrain.models.gpt import GPT, MLP, Block, CausalSelfAttention, GPTConfig, document_mask
+from ftrain.models.gpt import (
+    GPT,
+    MLP,
+    Block,
+    CausalSelfAttention,
+    GPTConfig,
+    choose_matmul,
+    document_mask,
+)
 from ftrain.models.hf import load_causal_lm, tiny_gpt2
 from ftrain.models.moe import MoE
-from ftrain.models.onednn import Linear, linear, onednn_linear_available
+from ftrain.models.onednn import Linear, faster_linear, linear, onednn_linear_available
 from ftrain.models.sample import generate
 
 __all__ = [
     "GPT",
     "GPTConfig",
+    "choose_matmul",
     "Block",
     "CausalSelfAttention",
     "MLP",
@@ -29,4 +38,5 @@ __all__ = [
     "Linear",
     "linear",
     "onednn_linear_available",
+    "faster_linear",
 ]

@@ -11,7 +11,8 @@ The module holds parameters only (no buffers, nothing written to ``self`` during
 can be used as a stateless template through ``torch.func.functional_call`` / ``ft.apply``. With
 ``n_experts > 0`` each block's feed-forward is a mixture of experts (``ftrain.models.moe``), whose
 load-balancing loss comes back as a value: ``logits, aux = model(idx, return_aux=True)``.
-``GPTConfig.matmul`` picks the matmul of every linear layer (``MATMULS``). Train one on bytes with
+``GPTConfig.matmul`` picks the matmul kernel of every linear layer (``MATMULS``; ``"auto"``, the
+default, takes the one measured faster on this machine for this model: ``choose_matmul``). Train one on bytes with
 ``ftrain train`` (``ftrain train --help`` lists the model flags).
 
 References:
@@ -20,6 +21,7 @@ References:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import types
 from dataclasses import dataclass
@@ -30,18 +32,18 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from ftrain.models.moe import MoE
-from ftrain.models.onednn import Linear, linear
+from ftrain.models.onednn import Linear, faster_linear, linear
 
-# What GPTConfig.matmul selects: the layer class of every linear of the model, and the function of
-# the tied lm head (whose weight is the embedding's, so it is not a layer). Same parameters either
-# way. The MoE experts' batched weights are not linears: they always use torch.mm. Read-only.
+# The kernels GPTConfig.matmul may name: the layer class of every linear of the model, and the
+# function of the tied lm head (whose weight is the embedding's, so it is not a layer). Same
+# parameters either way. "auto" is not a kernel: GPT resolves it to one of these (choose_matmul).
+# The MoE experts' batched weights are not linears: they always use torch.mm. Read-only.
 MATMULS = types.MappingProxyType(
     {
         # oneDNN for float32 products on an x86 CPU large enough to pay for its call
-        # (onednn.MIN_MACS; about 2x MKL on AMD processors), F.linear everywhere else (GPU, bf16,
-        # autocast, small products)
-        "auto": (Linear, linear),
-        # PyTorch's own matmul everywhere (MKL on the CPU, cuBLAS on a GPU)
+        # (onednn.MIN_MACS), F.linear everywhere else (GPU, bf16, autocast, small products)
+        "onednn": (Linear, linear),
+        # PyTorch's own matmul everywhere (MKL on the x86 CPU, cuBLAS on a GPU)
         "torch": (nn.Linear, F.linear),
     }
 )
@@ -64,7 +66,8 @@ class GPTConfig:
     top_k: int = 1  # experts each token is sent to (MoE only); 1: Switch Transformer, 2: Mixtral
     aux_loss_weight: float = 0.01  # scales the balance loss in aux["moe_aux_loss"]; Switch: 0.01
     norm_eps: float = 1e-5  # LayerNorm epsilon
-    matmul: str = "auto"  # the linears' matmul, see MATMULS: "auto" (oneDNN on CPU) or "torch"
+    matmul: str = "auto"  # the linears' kernel (MATMULS): "onednn", "torch", or "auto": the faster
+    # of the two on this machine for this model, timed when the GPT is built (choose_matmul)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "d_model", "n_layer", "n_head"):
@@ -96,11 +99,11 @@ class GPTConfig:
                 f"GPTConfig: aux_loss_weight={self.aux_loss_weight} must be >= 0 "
                 f"(a negative weight would reward imbalance). Fix: e.g. aux_loss_weight=0.01."
             )
-        if self.matmul not in MATMULS:
+        if self.matmul != "auto" and self.matmul not in MATMULS:
             raise ValueError(
-                f"GPTConfig: matmul={self.matmul!r} must be one of {list(MATMULS)} ('auto': oneDNN "
-                f"for large CPU float32 matmuls, else F.linear; 'torch': plain nn.Linear). "
-                f"Fix: matmul='auto' or matmul='torch'."
+                f"GPTConfig: matmul={self.matmul!r} must be one of {['auto', *MATMULS]} ('auto': "
+                f"the faster on this machine, timed; 'onednn': oneDNN for large CPU float32 "
+                f"matmuls, else F.linear; 'torch': plain nn.Linear). Fix: matmul='auto'."
             )
         if not self.norm_eps > 0.0:
             raise ValueError(
@@ -121,9 +124,39 @@ class GPTConfig:
     def make_linear(self, d_in: int, d_out: int, *, bias: bool) -> nn.Linear:
         """A ``d_in -> d_out`` linear layer of the class ``matmul`` selects (an ``nn.Linear`` or
         its subclass ``ftrain.models.Linear``: same parameters, init and state_dict keys). Every
-        linear of the model, MoE routers included, is built here."""
-        layer, _ = MATMULS[self.matmul]
+        linear of the model, MoE routers included, is built here, from the config whose
+        ``matmul`` the GPT has resolved; a layer built alone from an ``"auto"`` config (no model
+        shapes to time) is torch's own ``nn.Linear``."""
+        layer, _ = MATMULS["torch" if self.matmul == "auto" else self.matmul]
         return layer(d_in, d_out, bias=bias)
+
+
+def linear_shapes(config: GPTConfig) -> list[tuple[int, int, int]]:
+    """``(d_in, d_out, count)`` of every matmul that :func:`choose_matmul` weighs: each block's
+    qkv, attention projection, and MLP (or MoE router), and the lm head (tied or not)."""
+    d, ff, n = config.d_model, config.ff_dim, config.n_layer
+    shapes = [(d, 3 * d, n), (d, d, n)]  # attn.qkv, attn.proj
+    if config.n_experts == 0:
+        shapes += [(d, ff, n), (ff, d, n)]  # mlp.fc, mlp.proj
+    else:
+        shapes += [(d, config.n_experts, n)]  # the router (the experts use torch.mm either way)
+    return shapes + [(d, config.vocab_size, 1)]  # the lm head
+
+
+def choose_matmul(config: GPTConfig, rows: int | None = None) -> str:
+    """The kernel (a key of ``MATMULS``) that ``config.matmul`` stands for: itself when it names
+    one, and for ``"auto"`` the faster of ``"onednn"`` and ``"torch"`` on this machine for this
+    model's linears (:func:`linear_shapes`) at ``rows`` rows per forward (batch * seq_len; None:
+    ``16 * seq_len``, the default run's batch of 16), measured by
+    ``ftrain.models.onednn.faster_linear`` (and kept in its cache).
+
+    **Invariant:** never slower than ``"torch"`` beyond timing noise. The kernels agree to float32
+    rounding, not bitwise, so a run that must be continued bit for bit records the answer (the
+    built model's ``GPT.matmul``) and builds with ``GPTConfig(matmul=answer)`` on resume.
+    """
+    if config.matmul != "auto":
+        return config.matmul
+    return faster_linear(linear_shapes(config), 16 * config.seq_len if rows is None else rows)
 
 
 def _check_int(name: str, value: object, *, minimum: int, fix: str = "") -> None:
@@ -214,8 +247,10 @@ class GPT(nn.Module):
     and there is no separate ``lm_head`` parameter, so ``named_parameters()`` and ``state_dict()``
     have the same keys and no tensor is stored twice (safetensors refuses shared tensors). Without
     tying, ``lm_head`` is a linear ``d_model -> vocab_size`` without bias. Every linear comes from
-    ``config.make_linear``: ``ftrain.models.Linear`` (oneDNN matmuls for CPU float32) by default,
-    ``nn.Linear`` with ``matmul="torch"``; the parameters and state_dict keys are the same.
+    ``make_linear`` of the config with ``matmul`` resolved (``choose_matmul``; the answer is
+    ``model.matmul``, ``model.config`` is the config as given): ``ftrain.models.Linear`` (oneDNN
+    matmuls for CPU float32) for ``"onednn"``, ``nn.Linear`` for ``"torch"``; the parameters and
+    state_dict keys are the same.
 
     Guarantees: the module has no buffers and ``forward`` writes nothing to ``self``, so it is a
     pure function of (parameters, idx) and, in training mode, the random state used by dropout.
@@ -227,6 +262,9 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
+        # the kernel "auto" stands for on this machine (timed once, cached): a run records it
+        self.matmul = choose_matmul(config)
+        config = dataclasses.replace(config, matmul=self.matmul)
         self.wte = nn.Embedding(config.vocab_size, config.d_model)
         self.wpe = nn.Embedding(config.seq_len, config.d_model)
         self.drop = nn.Dropout(config.dropout)
@@ -234,7 +272,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(config.d_model, eps=config.norm_eps, bias=config.bias)
         # the function of the model's linears, for the tied head; looked up here, not in forward
         # (torch.compile breaks its graph on a read of the read-only MATMULS)
-        self.head_matmul = MATMULS[config.matmul][1]
+        self.head_matmul = MATMULS[self.matmul][1]
         if config.tie_weights:
             self.lm_head = None  # the output projection is wte.weight, see forward
         else:
