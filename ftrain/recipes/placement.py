@@ -89,14 +89,22 @@ def resolve_device(spec: str) -> torch.device:
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:
-    """``--precision``: ``auto`` is ``bf16`` on a GPU that supports it
-    (``torch.cuda.is_bf16_supported``) and ``fp32`` elsewhere (the CPU); the others as given."""
+    """``--precision``: ``auto`` is ``bf16`` on a GPU that computes in it natively and ``fp32``
+    elsewhere (the CPU, older GPUs); the others as given."""
     if precision != "auto":
         return precision
-    if device.type == "cuda":
-        with torch.cuda.device(device):
-            return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
+    if device.type == "cuda" and _native_bf16(device):
+        return "bf16"
     return "fp32"
+
+
+def _native_bf16(device: torch.device) -> bool:
+    """Whether the GPU ``device`` computes in bf16 natively (what
+    ``torch.cuda.is_bf16_supported(including_emulation=False)`` says of the current device):
+    Ampere (compute capability 8) or newer; on ROCm, torch's own answer."""
+    if torch.version.hip:
+        return torch.cuda.is_bf16_supported()
+    return torch.cuda.get_device_capability(device)[0] >= 8
 
 
 def tf32_applies(cfg: Any) -> bool:
