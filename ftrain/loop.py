@@ -128,6 +128,10 @@ def _launch(cfg: TrainConfig) -> tuple[TrainConfig, int, int]:
     """
     if cfg.shard == "none" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         cfg = dataclasses.replace(cfg, shard="ddp")
+    if cfg.device == "auto" and distributed.is_initialized():
+        # a group made before train() (run_distributed's gloo one) decides: NCCL runs on GPUs
+        if torch.distributed.get_backend() != "nccl":
+            cfg = dataclasses.replace(cfg, device="cpu")
     try:
         cfg = placement.resolve(cfg)
     except ValueError as e:  # the config was validated on another machine, or not at all
