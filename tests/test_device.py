@@ -6,6 +6,7 @@ without one."""
 import json
 
 import pytest
+import safetensors.torch
 import torch
 
 import ftrain as ft
@@ -151,7 +152,6 @@ def test_model_state_and_batches_go_to_the_resolved_device(monkeypatch, tmp_path
     cfg = TrainConfig(device="meta", d_model=32, n_layer=1, n_head=2, seq_len=16, batch_size=2,
                       data_dir=str(tmp_path / "tokens"))  # fmt: skip
     recipe = gpt.build(cfg, quiet=True)
-    assert {p.device.type for p in recipe.model.parameters()} == {"meta"}
     assert {t.device.type for t in ft.tree.leaves(recipe.state.params)} == {"meta"}
     # the optimizer's tensors too; its 0-d counters and hyper-parameters are host scalars, as
     # torch's own optimizers keep them (a 0-d CPU tensor mixes with GPU ones without a copy)
@@ -161,6 +161,27 @@ def test_model_state_and_batches_go_to_the_resolved_device(monkeypatch, tmp_path
     with iter(recipe.loader) as batches:
         batch = next(batches)
     assert {t.device.type for t in batch.values()} == {"meta"}
+
+
+def test_the_template_holds_no_param_values_once_the_state_does():
+    """release_params: the template's params become meta tensors (the same Parameter objects, so
+    a tied pair stays one), and ft.apply and sampling with the state's params give what they gave
+    before, bit for bit: the device holds the params once."""
+    cfg = TrainConfig(device="cpu", d_model=32, n_layer=1, n_head=2, seq_len=16)
+    model = gpt.build_model(cfg)
+    params = ft.params_of(model)
+    ids = torch.randint(0, 257, (2, 16), generator=torch.Generator().manual_seed(0))
+    logits = ft.apply(model, params, ids)
+    text = gpt.sample_text(model, params, "def ", 12, seed=3)
+    shared = torch.nn.Linear(4, 4)
+    tied = torch.nn.Sequential(shared, torch.nn.ReLU(), shared)
+    before = [id(p) for p in [*model.parameters(), *tied.parameters()]]
+    placement.release_params(model), placement.release_params(tied)
+    after = [*model.parameters(), *tied.parameters()]
+    assert [id(p) for p in after] == before and {p.device.type for p in after} == {"meta"}
+    assert tied[0].weight is tied[2].weight
+    assert torch.equal(ft.apply(model, params, ids), logits)
+    assert gpt.sample_text(model, params, "def ", 12, seed=3) == text
 
 
 def test_a_cpu_run_records_what_auto_resolved_to(tmp_path, tiny_run, capsys, fake_gpus):
@@ -188,7 +209,7 @@ def test_a_gpu_runs_checkpoint_resumes_samples_and_loads_on_a_cpu_machine(
     tmp_path, tiny_run, capsys, fake_gpus
 ):
     """A checkpoint whose settings say cuda:0/bf16: it loads with every tensor on the CPU,
-    ``ftrain sample`` reads it, and --resume continues on the CPU (noting the change) exactly as
+    ``ftrain sample`` and ``ftrain consolidate`` read it, and --resume continues on the CPU (noting the change) exactly as
     the same checkpoint with CPU settings does."""
     fake_gpus(0)
     args = [*tiny_run, "--save-every", "2", "--precision", "fp32"]
@@ -201,6 +222,9 @@ def test_a_gpu_runs_checkpoint_resumes_samples_and_loads_on_a_cpu_machine(
     capsys.readouterr()
     assert main(["sample", "--run", str(gpu), "--max-new-tokens", "8"]) == 0
     assert capsys.readouterr().out.startswith("def ")
+    assert main(["consolidate", "--run", str(gpu), "--out", str(tmp_path / "whole")]) == 0
+    whole = safetensors.torch.load_file(tmp_path / "whole" / "model.safetensors")
+    assert all(torch.equal(whole[k], t) for k, t in ft.state_dict_of(state.params).items())
     for out in (gpu, cpu):
         assert main(["train", *args, "--max-steps", "4", "--out", str(out), "--resume"]) == 0
     err = capsys.readouterr().err

@@ -57,7 +57,7 @@ __all__ = [
 class Recipe(NamedTuple):
     """What the loop trains, built from the settings by :func:`build`."""
 
-    model: GPT  # the template: its code runs the params; its own tensors only initialize them
+    model: GPT  # the template: its code runs the params; its own params are on meta (released)
     step: ft.Step  # the composed step (build_step)
     state: ft.TrainState  # at step 0: params, optimizer state, RNG key, the transforms' entries
     loader: data.Loader  # this process's batches of one global batch: endless, resumable
@@ -77,6 +77,7 @@ def build(cfg: TrainConfig, *, rank: int = 0, world: int = 1, quiet: bool = Fals
     opt = build_optimizer(cfg)
     state = build_state(cfg, model, opt)
     step = build_step(cfg, model, opt)
+    placement.release_params(model)  # the state holds the params: the template's go to meta
     return Recipe(model, step, step.init_extra(state), loader, valid)
 
 
@@ -354,15 +355,27 @@ def generate_from(
 ) -> torch.Tensor:
     """``ftrain.models.generate`` of the token ids ``ids`` (B, T) run with ``params`` in eval
     mode, from a generator seeded with ``seed`` (the same seed gives the same tokens). ``model``
-    is not changed: a copy of it takes the params (strict=False: a tied weight is held once).
-    It runs on the params' device (the ids and the generator go there; the result too)."""
+    is not changed and its own params are not read (``ft.apply`` runs an eval-mode copy of it
+    with ``params``; a released template works). It runs on the params' device (the ids and the
+    generator go there; the result too)."""
     device = ft.tree.first_leaf(params).device
-    model = copy.deepcopy(model).to(device)  # the template stays untouched
-    model.load_state_dict(ft.state_dict_of(params), strict=False)
-    model.eval()
+    applied = _Applied(copy.deepcopy(model), params).eval()  # the template stays untouched
     generator = torch.Generator(device=device).manual_seed(seed)
-    return generate(model, ids.to(device), max_new_tokens, temperature=temperature, top_k=top_k,
+    return generate(applied, ids.to(device), max_new_tokens, temperature=temperature, top_k=top_k,
                     generator=generator, seq_len=seq_len)  # fmt: skip
+
+
+class _Applied(torch.nn.Module):
+    """``model`` run with ``params`` (``ft.apply``): what ``generate`` samples from. It has the
+    model's ``config`` (``generate`` reads the context length there)."""
+
+    def __init__(self, model: torch.nn.Module, params) -> None:
+        super().__init__()
+        self.model, self.params = model, params
+        self.config = getattr(model, "config", None)
+
+    def forward(self, idx: torch.Tensor):
+        return ft.apply(self.model, self.params, idx)
 
 
 def run_config(run: str | Path, command: str = "ftrain sample") -> tuple[Path, TrainConfig]:

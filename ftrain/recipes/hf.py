@@ -45,6 +45,7 @@ def build(cfg: TrainConfig, *, rank: int = 0, world: int = 1, quiet: bool = Fals
     opt = gpt.build_optimizer(cfg)
     state = gpt.build_state(cfg, model, opt)
     step = gpt.build_step(cfg, model, opt, loss_fn=make_loss_fn(model))
+    placement.release_params(model)  # the state holds the params: the template's go to meta
     return gpt.Recipe(model, step, step.init_extra(state), loader, valid)
 
 

@@ -26,6 +26,7 @@ import torch
 
 __all__ = [
     "describe",
+    "release_params",
     "resolve",
     "resolve_device",
     "resolve_precision",
@@ -126,6 +127,20 @@ def resolve(cfg: Any) -> Any:
     if cfg.device == str(device) and cfg.precision == precision:
         return cfg
     return dataclasses.replace(cfg, device=str(device), precision=precision)
+
+
+def release_params(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` (a recipe's template, once the state holds its params) with each parameter's
+    tensor swapped for a ``meta`` tensor of the same shape and dtype; returns ``model``.
+
+    The Parameter objects stay (so tied parameters stay tied) and so do the buffers, on their
+    device: ``ft.apply`` runs the template with the state's params and never reads its own, so
+    the device holds the params once, not twice (and under fsdp or --tp, each process only its
+    pieces, not also a whole copy)."""
+    for p in list(model.parameters()):
+        placeholder = torch.nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+        torch.utils.swap_tensors(p, placeholder)
+    return model
 
 
 # -- what was picked ------------------------------------------------------------------------------
