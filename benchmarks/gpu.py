@@ -45,6 +45,7 @@ import torch.nn.functional as F
 import ftrain as ft
 from ftrain import optim, testing
 from ftrain.models import GPT, GPTConfig, flops_per_token
+from ftrain.recipes.placement import release_params
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import RESULTS, machine, write_section  # noqa: E402
@@ -87,6 +88,7 @@ def gpt_task(run: Run, dims: dict, rows: int, *, donate=False, opt=None, seed=0)
     opt = opt or optim.adamw(1e-3, **ADAMW, mask=optim.decay_mask)
     step = ft.train_step(loss_fn, opt, donate=donate)
     state = ft.TrainState.create(ft.params_of(model), opt)
+    release_params(model)  # as the recipes do: the state holds the params, once
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randint(0, dims["vocab_size"], (rows, dims["seq_len"] + 1), generator=g)
     batch = {
@@ -189,11 +191,7 @@ def check_memory_plan(run: Run) -> None:
         if run.device.type == "cuda":
             torch.cuda.empty_cache()
             base = torch.cuda.memory_allocated()
-        model, _, _, step, state, batch = gpt_task(run, dims, rows, donate=True)
-        # the template's own tensors are not the step's (ft.memory does not count them)
-        template = sum(
-            t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]
-        )
+        _, _, _, step, state, batch = gpt_task(run, dims, rows, donate=True)
         step = compose(step)
         state = step.init_extra(state)
         predicted = ft.memory(step, state, batch).peak
@@ -202,14 +200,14 @@ def check_memory_plan(run: Run) -> None:
             torch.cuda.reset_peak_memory_stats()
             out = step(state, batch)
             run.sync()
-            measured = torch.cuda.max_memory_allocated() - base - template
+            measured = torch.cuda.max_memory_allocated() - base
             del out
         else:
             measured = testing.peak_bytes(step, state, batch)
         ratio = predicted / measured
         run.check(f"ft.memory peak, {name}", f"{predicted / 2**20:.1f} / {measured / 2**20:.1f} MiB = {ratio:.3f}",
                   "0.90 to 1.10", 0.9 <= ratio <= 1.1)  # fmt: skip
-        del model, step, state, batch
+        del step, state, batch
 
 
 def check_loader(run: Run) -> None:
@@ -300,7 +298,7 @@ def ftrain_side(run: Run, dims: dict, x, y, compiled: bool):
     if compiled:
         step = ft.compile(step)
     box = {"state": ft.TrainState.create(ft.params_of(model), opt)}
-    box["template"] = sum(p.numel() * p.element_size() for p in model.parameters())
+    release_params(model)  # as ftrain train does: the params live in the state only
     batch = {"input": x, "target": y}
     if compiled:  # compiles on the first call; no step after it may compile again
         box["state"], history = testing.assert_no_recompile(step, box["state"], [batch] * 3)
@@ -349,7 +347,7 @@ def bench(run: Run) -> tuple[str, list]:
     x, y = data[:, :-1].contiguous().to(run.device), data[:, 1:].contiguous().to(run.device)
     peak = matmul_peak(run)
     flops = flops_per_token(GPTConfig(**dims)) * rows * dims["seq_len"]
-    table, losses, profiles, template_bytes = [], {}, [], 0
+    table, losses, profiles = [], {}, []
     modes = (False, True) if run.compile else (False,)
     for compiled in modes:
         for name, side in (("ftrain (donated step)", ftrain_side), ("PyTorch loop", torch_side)):
@@ -361,7 +359,6 @@ def bench(run: Run) -> tuple[str, list]:
             t0 = time.perf_counter()
             one, box = side(run, dims, x, y, compiled)
             first = one() if box.get("first") is None else box["first"]
-            template_bytes = max(template_bytes, box.get("template", 0))
             losses[(name, compiled)] = float(first)
             for _ in range(warm):
                 one()
@@ -402,11 +399,7 @@ def bench(run: Run) -> tuple[str, list]:
         c_ft = losses[("ftrain (donated step)", True)]
         run.check("compile: no recompile over 3 steps; first loss vs eager", f"{c_ft:.4f} vs {e_ft:.4f}",
                   "rel 1e-2", abs(c_ft - e_ft) <= 1e-2 * abs(e_ft))  # fmt: skip
-    note = (
-        f"ftrain's peak includes its template module's own copy of the params "
-        f"({template_bytes / 2**30:.2f} GiB; `ftrain train` keeps the template on the device)."
-    )
-    return _bench_markdown(run, dims, rows, peak, table) + "\n\n" + note, profiles
+    return _bench_markdown(run, dims, rows, peak, table), profiles
 
 
 def _bench_markdown(run: Run, dims, rows, peak, table) -> str:
