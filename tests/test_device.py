@@ -13,6 +13,7 @@ import ftrain as ft
 from ftrain.cli import main
 from ftrain.config import TrainConfig
 from ftrain.io import meta_checksum
+from ftrain.loop import evaluate
 from ftrain.recipes import gpt, placement
 from ftrain.transforms import Autocast
 
@@ -260,3 +261,21 @@ def test_a_gpu_run_resumes_on_the_cpu(tmp_path, tiny_run, capsys):
     assert main(["train", *tiny_run, "--max-steps", "4", "--device", "cpu", "--out", str(out),
                  "--resume", "--precision", saved["precision"]]) == 0  # fmt: skip
     assert int(ft.load(ft.latest_checkpoint(out)).step) == 4
+
+
+@needs_cuda
+def test_the_recipe_on_a_gpu_puts_state_batches_and_evaluation_there(tmp_path):
+    cfg = placement.resolve(TrainConfig(d_model=32, n_layer=1, n_head=2, seq_len=16, batch_size=2,
+                                        data_dir=str(tmp_path / "tokens"), eval_batches=1))  # fmt: skip
+    assert cfg.device == "cuda:0" and placement.describe(cfg).startswith(
+        "ftrain train: device cuda:0 ("
+    )
+    recipe = gpt.build(cfg, quiet=True)
+    assert {t.device.type for t in ft.tree.leaves(recipe.state.params)} == {"cuda"}
+    with iter(recipe.loader) as batches:
+        batch = next(batches)
+    assert all(t.is_cuda for t in batch.values())
+    state, metrics = recipe.step(recipe.state, batch)
+    assert metrics["loss"].is_cuda and torch.isfinite(metrics["loss"])
+    assert evaluate(recipe.model, state.params, recipe.valid, cfg) > 0
+    assert gpt.sample_text(recipe.model, state.params, "def ", 4).startswith("def ")
