@@ -156,25 +156,25 @@ def sdpa_backend(
     from torch.backends import cuda as backends
 
     names = {1: "flash", 2: "memory-efficient", 3: "cuDNN", 0: "math"}
-    checks = {
-        1: getattr(backends, "can_use_flash_attention", None),
-        2: getattr(backends, "can_use_efficient_attention", None),
-        3: getattr(backends, "can_use_cudnn_attention", None),
+    checks = {  # (switched on, can run these inputs)
+        1: ("flash_sdp_enabled", "can_use_flash_attention"),
+        2: ("mem_efficient_sdp_enabled", "can_use_efficient_attention"),
+        3: ("cudnn_sdp_enabled", "can_use_cudnn_attention"),
     }
     order_of = getattr(torch._C, "_get_sdp_priority_order", None)  # private: read here only
     order = list(order_of()) if order_of is not None else [1, 2, 0, 3]
-    q = torch.empty(1, 2, 64, head_dim, device=device, dtype=dtype)  # (B, nh, T, hs)
-    mask = torch.ones(64, 64, dtype=torch.bool, device=device).tril() if masked else None
-    try:
+    try:  # torch's checks changed across versions: an answer it cannot give is "unknown"
+        q = torch.empty(1, 2, 64, head_dim, device=device, dtype=dtype)  # (B, nh, T, hs)
+        mask = torch.ones(64, 64, dtype=torch.bool, device=device).tril() if masked else None
         params = backends.SDPAParams(q, q, q, mask, dropout, not masked, False)
+        for backend in order:
+            if backend == 0 and backends.math_sdp_enabled():
+                return "math"
+            enabled, usable = (getattr(backends, n, None) for n in checks.get(backend, ("", "")))
+            if enabled is not None and usable is not None and enabled() and usable(params, False):
+                return names[backend]
     except (TypeError, RuntimeError, AttributeError):
         return "unknown"
-    for backend in order:
-        if backend == 0:
-            return "math"
-        check = checks.get(backend)
-        if check is not None and check(params, False):
-            return names[backend]
     return "math"
 
 
