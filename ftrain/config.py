@@ -21,7 +21,7 @@ else:  # pragma: no cover
 
 __all__ = ["TrainConfig", "add_arguments", "flag_name", "from_args", "load_toml"]
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 CHECKPOINT_POLICIES = ("none", "blocks", "selective")
 SCHEDULES = ("cosine", "constant", "linear", "wsd", "inverse_sqrt")
 SHARD_STRATEGIES = ("none", "ddp", "zero1", "zero2", "fsdp")
@@ -70,7 +70,11 @@ class TrainConfig:
     )
     # -- transforms -----------------------------------------------------------------------------
     checkpoint_policy: str = _f("none", "activation checkpointing", choices=CHECKPOINT_POLICIES)
-    precision: str = _f("fp32", "forward precision (params stay fp32)", choices=PRECISIONS)
+    precision: str = _f(
+        "auto",
+        "forward precision (params stay fp32); auto: bf16 on a GPU that has it, fp32 on the CPU",
+        choices=PRECISIONS,
+    )
     compile: bool = _f(False, "torch.compile the whole step (slow to start on a CPU)")
     shard: str = _f("none", "data parallelism under torchrun", choices=SHARD_STRATEGIES)
     tp: int = _f(
@@ -89,6 +93,14 @@ class TrainConfig:
         "checkpointing, precision (and --shard) to fit; rows per step stay",
         metavar="SIZE",
     )
+    # -- where it runs (ftrain.recipes.placement) ------------------------------------------------
+    device: str = _f(
+        "auto",
+        "auto (the GPU when there is one; under torchrun each process its LOCAL_RANK GPU), cpu, "
+        "cuda or cuda:N",
+        metavar="DEVICE",
+    )
+    tf32: bool = _f(True, "TF32 matmuls for fp32 work on GPUs that have them (never on the CPU)")
     # -- LoRA (ft.lora): train low-rank adapters, the model's own params frozen ---------------------
     lora_rank: int = _f(0, "LoRA adapters of this rank on --lora-targets (0 = train every param)")
     lora_alpha: float = _f(16.0, "LoRA scale numerator: the update is alpha / rank * B @ A")
@@ -206,6 +218,7 @@ class TrainConfig:
                 raise ValueError(
                     f"--{flag_name(name)} must be one of {legal}, got {getattr(self, name)!r}"
                 )
+        self._check_device()
         if self.memory_budget not in (None, "auto"):
             from ftrain.memory import parse_bytes
 
@@ -252,6 +265,19 @@ class TrainConfig:
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(
                 f"--optimizer must be one of {sorted(OPTIMIZERS)}, got {self.optimizer!r}"
+            )
+
+    def _check_device(self) -> None:
+        """``--device`` exists here (``placement.resolve_device``'s one-line error otherwise);
+        ``--memory-budget auto`` needs a GPU to read."""
+        from ftrain.recipes.placement import resolve_device
+
+        device = resolve_device(self.device)
+        if self.memory_budget == "auto" and device.type != "cuda":
+            raise ValueError(
+                f"--memory-budget auto reads the free memory of the GPU the run trains on, and "
+                f"this run trains on the CPU (--device {self.device}); give a size, e.g. "
+                "--memory-budget 4GiB"
             )
 
     def _check_tp(self) -> None:

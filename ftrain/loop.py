@@ -35,7 +35,7 @@ from ftrain.config import TrainConfig
 # The one import of the sharding helpers (the recipe composes the step with the public ft.shard).
 from ftrain.distributed import shard_state, unshard, unshard_state
 from ftrain.io.sharded import is_sharded
-from ftrain.recipes import finetune, for_config, gpt
+from ftrain.recipes import finetune, for_config, gpt, placement
 from ftrain.resume import RESUME_FIXED
 from ftrain.sinks import Sink, check_sink, make_sinks
 from ftrain.transforms import TensorParallel
@@ -56,6 +56,14 @@ def train(cfg: TrainConfig, *, sinks: Sequence[Sink] = ()) -> dict[str, Any]:
     every checkpoint record.
     """
     cfg, rank, world = _launch(cfg)
+    # a GPU run's kernels launch on its own GPU (cuda:N), for this call only
+    on_gpu = torch.device(cfg.device).type == "cuda"
+    with torch.cuda.device(cfg.device) if on_gpu else contextlib.nullcontext():
+        return _train(cfg, rank, world, sinks)
+
+
+def _train(cfg: TrainConfig, rank: int, world: int, sinks: Sequence[Sink]) -> dict[str, Any]:
+    """:func:`train` once the settings are resolved and the process group is joined."""
     main = rank == 0
     if main:
         check_sink(cfg.log)  # a missing tensorboard package, before the data and model are built
@@ -65,6 +73,8 @@ def train(cfg: TrainConfig, *, sinks: Sequence[Sink] = ()) -> dict[str, Any]:
         cfg, fitted = fit_config(cfg)
         if main:
             print(fitted, flush=True)
+    if main:  # the device, precision and kernels this run picked (config.json records them too)
+        print(placement.describe(cfg), flush=True)
     out = Path(_from_rank0(str(rundir.prepare_out(cfg)) if main else None, world))
     recipe = for_config(cfg).build(cfg, rank=rank, world=world, quiet=not main)
     if main:  # model.json (the model folder, its sha256) and chat_template.jinja
@@ -115,13 +125,23 @@ def _launch(cfg: TrainConfig) -> tuple[TrainConfig, int, int]:
 
     The settings are a new TrainConfig (``dataclasses.replace``): under torchrun without
     ``--shard``, ``shard="ddp"`` (plain data parallelism); with ``--global-batch-size``,
-    ``micro_batches = global_batch_size / (batch_size x world / tp)``.
+    ``micro_batches = global_batch_size / (batch_size x world / tp)``; ``device`` and
+    ``precision`` resolved (``placement.resolve``: under torchrun, ``auto`` and ``cuda`` are this
+    process's ``LOCAL_RANK`` GPU), and the process group on NCCL for a GPU, gloo for the CPU.
     """
     if cfg.shard == "none" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         cfg = dataclasses.replace(cfg, shard="ddp")
+    if cfg.device == "auto" and distributed.is_initialized():
+        # a group made before train() (run_distributed's gloo one) decides: NCCL runs on GPUs
+        if torch.distributed.get_backend() != "nccl":
+            cfg = dataclasses.replace(cfg, device="cpu")
+    try:
+        cfg = placement.resolve(cfg)
+    except ValueError as e:  # the config was validated on another machine, or not at all
+        raise SystemExit(f"ftrain train: error: {e}") from None
     if cfg.shard != "none":
         try:
-            distributed.init()
+            distributed.init("nccl" if torch.device(cfg.device).type == "cuda" else "gloo")
         except RuntimeError as e:
             raise SystemExit(f"ftrain train: --shard {cfg.shard}: {e}") from None
     rank, world = distributed.rank_and_world()
@@ -274,7 +294,8 @@ def _eval_params(run: _Run, state: ft.TrainState):
 def evaluate(model: torch.nn.Module, params, dataset, cfg: TrainConfig) -> float:
     """Mean token loss (``ft.evaluate``: exact, no gradients, eval mode) over the first
     ``eval_batches`` batches of ``dataset``: the same rows every time, so losses of one run
-    compare. ``model`` is not changed."""
+    compare. ``model`` is not changed. It runs where ``params`` are (the batches go there)."""
+    device = ft.tree.first_leaf(params).device
 
     def loss_fn(params, batch):
         packed = {"position_ids": batch["position_ids"]} if "position_ids" in batch else {}
@@ -285,7 +306,7 @@ def evaluate(model: torch.nn.Module, params, dataset, cfg: TrainConfig) -> float
         n = min(len(dataset), cfg.eval_batches * cfg.batch_size)
         for start in range(0, n, cfg.batch_size):
             rows = [dataset[i] for i in range(start, min(start + cfg.batch_size, n))]
-            yield {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+            yield {k: torch.stack([r[k] for r in rows]).to(device) for k in rows[0]}
 
     return ft.evaluate(loss_fn, params, batches())["loss"]
 

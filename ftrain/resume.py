@@ -17,7 +17,13 @@ from ftrain import rundir
 from ftrain.config import TrainConfig, flag_name
 from ftrain.recipes import gpt
 
-__all__ = ["RESUME_FIXED", "check_global_batch", "check_resumed_config", "load_checked"]
+__all__ = [
+    "RESOLVED_HERE",
+    "RESUME_FIXED",
+    "check_global_batch",
+    "check_resumed_config",
+    "load_checked",
+]
 
 
 def load_checked(
@@ -86,6 +92,10 @@ RESUME_FIXED = ("seed", "seq_len", "d_model", "n_layer", "n_head", "bias", "n_ex
                 "batch_size", "data_dir", "model_dir", "data", "pack", "lora_rank", "lora_alpha",
                 "lora_targets", "chat_roles", "chat_template")  # fmt: skip
 _NOT_COMPARED = ("out", "resume", "config", "progress")
+# Where the run trains is the resuming machine's choice: a checkpoint written on a GPU resumes on
+# a CPU-only machine and the other way round. These settings are resolved there again (``auto``
+# as the flags say), never taken from the checkpoint; a change is only noted.
+RESOLVED_HERE = ("device", "precision", "tf32")
 
 
 def check_resumed_config(cfg: TrainConfig, saved: dict[str, Any], main: bool) -> None:
@@ -106,8 +116,20 @@ def check_resumed_config(cfg: TrainConfig, saved: dict[str, Any], main: bool) ->
             file=sys.stderr,
         )
         raise SystemExit(2)
+    here = [f"--{flag_name(k)} {a!r} -> {b!r}" for k, (a, b) in diff.items() if k in RESOLVED_HERE]
+    if here and main:
+        print(
+            f"ftrain train: note: --resume on this machine: {', '.join(here)} (the state "
+            "continues from the checkpoint; only where and in what precision the step runs "
+            "changes)",
+            file=sys.stderr,
+        )
     # A changed --lr is set in the optimizer state, and said so, by _restore.
-    changed = [f"--{flag_name(k)} {a!r} -> {b!r}" for k, (a, b) in diff.items() if k != "lr"]
+    changed = [
+        f"--{flag_name(k)} {a!r} -> {b!r}"
+        for k, (a, b) in diff.items()
+        if k != "lr" and k not in RESOLVED_HERE
+    ]
     if changed and main:
         print(
             f"ftrain train: note: --resume with changed settings: {', '.join(changed)}",

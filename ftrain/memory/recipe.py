@@ -14,21 +14,24 @@ import ftrain as ft
 from ftrain.config import TrainConfig
 from ftrain.memory.fit import fit
 from ftrain.memory.report import FitReport, parse_bytes
-from ftrain.recipes import gpt
+from ftrain.recipes import gpt, placement
 
 __all__ = ["fit_config", "budget_bytes"]
 
 
-def budget_bytes(budget: str) -> int:
-    """``--memory-budget``: a size (``"4GiB"``), or ``"auto"``: the free memory of the current
-    CUDA device (there is no free-memory figure to trust for a CPU process)."""
+def budget_bytes(budget: str, device: str | torch.device | None = None) -> int:
+    """``--memory-budget``: a size (``"4GiB"``), or ``"auto"``: the free memory of the CUDA
+    ``device`` the run trains on (default: the current one; there is no free-memory figure to
+    trust for a CPU process)."""
     if budget == "auto":
-        if not torch.cuda.is_available():
+        if device is None and torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device is None or torch.device(device).type != "cuda":
             raise ValueError(
-                "--memory-budget auto reads the free CUDA memory, and no CUDA device is "
-                "available; give a size, e.g. --memory-budget 4GiB"
+                f"--memory-budget auto reads the free memory of the GPU the run trains on, and "
+                f"this run trains on {device or 'the CPU'}; give a size, e.g. --memory-budget 4GiB"
             )
-        return torch.cuda.mem_get_info()[0]
+        return torch.cuda.mem_get_info(device)[0]
     return parse_bytes(budget, "--memory-budget")
 
 
@@ -38,7 +41,7 @@ def fit_config(cfg: TrainConfig) -> tuple[TrainConfig, FitReport]:
     ``cfg.memory_budget`` bytes per process. The rows of one optimizer step per process,
     ``batch_size x micro_batches``, stay as they were: only how they are split changes. Nothing
     fits: ``SystemExit`` with ``ft.fit``'s message."""
-    budget = budget_bytes(cfg.memory_budget)
+    budget = budget_bytes(cfg.memory_budget, placement.resolve_device(cfg.device))
     rows = cfg.batch_size * cfg.micro_batches
     with torch.device("meta"):
         model = gpt.build_model(cfg)

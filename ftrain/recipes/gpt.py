@@ -30,7 +30,7 @@ from ftrain import data, optim, rundir
 from ftrain.config import TrainConfig
 from ftrain.distributed.plans import plan_for
 from ftrain.models import GPT, GPTConfig, generate
-from ftrain.recipes import corpus
+from ftrain.recipes import corpus, placement
 from ftrain.transforms import Lora
 
 __all__ = [
@@ -57,7 +57,7 @@ __all__ = [
 class Recipe(NamedTuple):
     """What the loop trains, built from the settings by :func:`build`."""
 
-    model: GPT  # the template: its code runs the params; its own tensors only initialize them
+    model: GPT  # the template: its code runs the params; its own params are on meta (released)
     step: ft.Step  # the composed step (build_step)
     state: ft.TrainState  # at step 0: params, optimizer state, RNG key, the transforms' entries
     loader: data.Loader  # this process's batches of one global batch: endless, resumable
@@ -66,12 +66,18 @@ class Recipe(NamedTuple):
 
 def build(cfg: TrainConfig, *, rank: int = 0, world: int = 1, quiet: bool = False) -> Recipe:
     """Everything ``cfg`` describes, for process ``rank`` of ``world``, at step 0 (the state is
-    whole: the loop lays it out across processes). The same ``cfg`` gives the same recipe."""
+    whole: the loop lays it out across processes). The same ``cfg`` gives the same recipe.
+
+    The model template, the state and the loader's batches are on ``cfg.device`` (resolved by
+    ``placement.resolve``: ``auto`` is the GPU when there is one); the init is the same on every
+    device (built on the CPU from ``cfg.seed``, then moved)."""
+    cfg = placement.resolve(cfg)
     loader, valid = build_data(cfg, rank=rank, world=world, quiet=quiet)
-    model = build_model(cfg)
+    model = build_model(cfg).to(cfg.device)
     opt = build_optimizer(cfg)
     state = build_state(cfg, model, opt)
     step = build_step(cfg, model, opt)
+    placement.release_params(model)  # the state holds the params: the template's go to meta
     return Recipe(model, step, step.init_extra(state), loader, valid)
 
 
@@ -94,6 +100,7 @@ def build_data(
     its files. If rank 0's build fails, every rank raises (the others a ``RuntimeError`` quoting
     rank 0's error). The folder must then be one all processes see (one machine, or a shared
     filesystem)."""
+    cfg = placement.resolve(cfg)  # the batches go to cfg.device, pinned and prefetched
     path = data_dir(cfg)
     together = world > 1 and ft.distributed.is_initialized()
     if not together:
@@ -119,7 +126,8 @@ def build_data(
     # one global sample order for every number of processes: this process takes its stride of it
     # (under --tp the tp processes of a group share one stride: rank = dp * tp + tp rank)
     loader = data.loader(train_ds, rows, seed=cfg.seed, infinite=True, num_workers=cfg.num_workers,
-                         rank=rank // cfg.tp, world_size=world // cfg.tp)  # fmt: skip
+                         rank=rank // cfg.tp, world_size=world // cfg.tp,
+                         device=cfg.device)  # fmt: skip
     return loader, valid_ds
 
 
@@ -281,13 +289,20 @@ def build_step(
     Shard wraps the accumulated step so that it reduces the gradients once per optimizer step, not
     once per micro-batch. Compile compiles every transform of the step wherever it sits; it comes
     last here only so that the composition reads in the order the step is built.
+
+    Precision: ``cfg.precision`` resolved for ``cfg.device`` (``auto``: bf16 on a GPU that has
+    it, fp32 on the CPU); on a GPU with TF32, fp32 matmuls use it for the step's extent
+    (``ft.autocast(tf32=True)``) unless ``--no-tf32``. fp32 on the CPU adds no transform.
     """
+    cfg = placement.resolve(cfg)
     step = ft.train_step(loss_fn or make_loss_fn(model), opt, donate=True)
     lora = build_lora(cfg, model)
     if lora is not None:  # the step's params are the adapters
         step = lora(step)
-    if cfg.precision != "fp32":
-        step = ft.autocast(step, {"bf16": torch.bfloat16, "fp16": torch.float16}[cfg.precision])
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.precision]
+    tf32 = placement.tf32_applies(cfg)
+    if dtype is not torch.float32 or tf32:
+        step = ft.autocast(step, dtype, tf32=tf32)
     if cfg.checkpoint_policy != "none":
         step = ft.checkpoint(step, cfg.checkpoint_policy)
     if cfg.micro_batches > 1:
@@ -343,13 +358,27 @@ def generate_from(
 ) -> torch.Tensor:
     """``ftrain.models.generate`` of the token ids ``ids`` (B, T) run with ``params`` in eval
     mode, from a generator seeded with ``seed`` (the same seed gives the same tokens). ``model``
-    is not changed: a copy of it takes the params (strict=False: a tied weight is held once)."""
-    model = copy.deepcopy(model)  # the template stays untouched
-    model.load_state_dict(ft.state_dict_of(params), strict=False)
-    model.eval()
-    generator = torch.Generator().manual_seed(seed)
-    return generate(model, ids, max_new_tokens, temperature=temperature, top_k=top_k,
+    is not changed and its own params are not read (``ft.apply`` runs an eval-mode copy of it
+    with ``params``; a released template works). It runs on the params' device (the ids and the
+    generator go there; the result too)."""
+    device = ft.tree.first_leaf(params).device
+    applied = _Applied(copy.deepcopy(model), params).eval()  # the template stays untouched
+    generator = torch.Generator(device=device).manual_seed(seed)
+    return generate(applied, ids.to(device), max_new_tokens, temperature=temperature, top_k=top_k,
                     generator=generator, seq_len=seq_len)  # fmt: skip
+
+
+class _Applied(torch.nn.Module):
+    """``model`` run with ``params`` (``ft.apply``): what ``generate`` samples from. It has the
+    model's ``config`` (``generate`` reads the context length there)."""
+
+    def __init__(self, model: torch.nn.Module, params) -> None:
+        super().__init__()
+        self.model, self.params = model, params
+        self.config = getattr(model, "config", None)
+
+    def forward(self, idx: torch.Tensor):
+        return ft.apply(self.model, self.params, idx)
 
 
 def run_config(run: str | Path, command: str = "ftrain sample") -> tuple[Path, TrainConfig]:

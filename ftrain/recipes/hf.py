@@ -27,7 +27,7 @@ from ftrain import data
 from ftrain.config import TrainConfig
 from ftrain.models import load_causal_lm
 from ftrain.models.hf import check_model_dir
-from ftrain.recipes import gpt
+from ftrain.recipes import gpt, placement
 
 __all__ = ["build", "build_model", "context_length", "make_loss_fn", "sample_text"]
 
@@ -35,14 +35,17 @@ __all__ = ["build", "build_model", "context_length", "make_loss_fn", "sample_tex
 def build(cfg: TrainConfig, *, rank: int = 0, world: int = 1, quiet: bool = False) -> gpt.Recipe:
     """As :func:`ftrain.recipes.gpt.build`, for the model in ``cfg.model_dir``. Every check
     (the folder, the tokenizer, ``--seq-len`` against the model's context, ``--pack`` against
-    its forward) runs here, before the first step."""
+    its forward) runs here, before the first step. The model goes to ``cfg.device`` (resolved:
+    ``auto`` is the GPU when there is one), as its state and batches do."""
+    cfg = placement.resolve(cfg)
     check_model_dir(cfg.model_dir)  # the folder first: then its tokenizer, then the model
     tokenizer = data.load_tokenizer(cfg.model_dir)
-    model = build_model(cfg, tokenizer)
+    model = build_model(cfg, tokenizer).to(cfg.device)
     loader, valid = gpt.build_data(cfg, rank=rank, world=world, quiet=quiet, tokenizer=tokenizer)
     opt = gpt.build_optimizer(cfg)
     state = gpt.build_state(cfg, model, opt)
     step = gpt.build_step(cfg, model, opt, loss_fn=make_loss_fn(model))
+    placement.release_params(model)  # the state holds the params: the template's go to meta
     return gpt.Recipe(model, step, step.init_extra(state), loader, valid)
 
 

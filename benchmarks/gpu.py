@@ -1,0 +1,576 @@
+"""ftrain on a GPU, in one run: every transform checked against its reference on the device, then
+GPT-2 124M trained by ftrain beside the imperative PyTorch loop of nanoGPT's bench.py.
+
+    python benchmarks/gpu.py                         # a CUDA machine: about 5 min on an H100;
+                                                     # writes the "GPU" section of RESULTS.md
+    python benchmarks/gpu.py --device cpu --tiny     # dry run: tiny sizes, writes nothing
+    python benchmarks/gpu.py --device cpu --tiny --no-compile --results /tmp/R.md
+
+Needs torch (2.11 or newer), tensordict and torchdata, plus ftrain's own small dependencies
+(einops, safetensors, numpy, tqdm). Only two things are compiled (ftrain's step and the
+imperative forward/loss of the bench), so compile time stays a minute or two.
+
+Checks (each against a reference computed another way, on the device):
+  * ``ft.accumulate(step, 4)`` against the whole batch (fp32, 3 AdamW steps, the suite's bound);
+  * ``ft.checkpoint`` blocks / selective against the plain step (max diff; peak memory);
+  * bf16 / fp16 ``ft.autocast`` against fp32 (loss to 1e-2; fp16 applies no non-finite update);
+  * ``ft.compile``: the bench's compiled step, no recompile across steps (ftrain.testing), its
+    first loss against the eager step's;
+  * ``ft.shard`` ddp / zero2 / fsdp over NCCL (gloo on the CPU), one process per GPU present:
+    N ranks on 1/N of the batch against one process on the whole batch;
+  * ``ft.save`` on the device -> ``ft.load`` on the CPU -> ``ft.load(like=)`` back, bitwise;
+  * ``ft.memory(...).peak`` against ``torch.cuda.max_memory_allocated`` (on the CPU: live bytes);
+  * ``ft.data.loader(device=...)`` delivers batches on the device, equal to the CPU loader's.
+
+Bench (nanoGPT bench.py's setting: 12 layers, 768 wide, block 1024, vocab 50304, batch 12, bf16
+autocast, AdamW): ms/iter, tokens/s, MFU against the bf16 matmul peak measured here, peak
+memory, eager and compiled; the AdamW update alone (ft.optim.adamw vs torch's fused and foreach);
+and a torch.profiler kernel table (top 15 by device time) of each eager step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import ftrain as ft
+from ftrain import optim, testing
+from ftrain.models import GPT, GPTConfig, flops_per_token
+from ftrain.recipes.placement import release_params
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import RESULTS, machine, write_section  # noqa: E402
+
+# nanoGPT bench.py: GPT-2 124M, batch 12 x 1024 tokens, AdamW(lr 6e-4, betas 0.9/0.95, wd 0.1)
+BENCH = dict(vocab_size=50304, seq_len=1024, d_model=768, n_layer=12, n_head=12, bias=False)
+BENCH_TINY = dict(vocab_size=512, seq_len=64, d_model=64, n_layer=2, n_head=2, bias=False)
+CHECK = dict(vocab_size=257, seq_len=256, d_model=256, n_layer=4, n_head=4)
+CHECK_TINY = dict(vocab_size=257, seq_len=32, d_model=32, n_layer=2, n_head=2)
+PLAN = dict(vocab_size=257, seq_len=512, d_model=512, n_layer=8, n_head=8)  # issue 26's planner run
+ADAMW = dict(b1=0.9, b2=0.95, weight_decay=0.1)
+
+
+@dataclasses.dataclass
+class Run:
+    device: torch.device
+    tiny: bool
+    compile: bool
+    rows: list = dataclasses.field(default_factory=list)  # check table rows
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def check(self, name: str, measured: str, bound: str, ok: bool) -> None:
+        self.rows.append(f"| {name} | {measured} | {bound} | {'pass' if ok else '**FAIL**'} |")
+        print(f"  {'ok  ' if ok else 'FAIL'} {name}: {measured} (bound {bound})", flush=True)
+
+
+# -- small pieces ---------------------------------------------------------------------------------
+def gpt_task(run: Run, dims: dict, rows: int, *, donate=False, opt=None, seed=0):
+    """A GPT on the device, its loss, a fresh optimizer state (default AdamW) and a fixed random
+    batch."""
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(**dims)).to(run.device)
+
+    def loss_fn(params, batch):
+        return ft.losses.cross_entropy(ft.apply(model, params, batch["input"]), batch["target"])
+
+    opt = opt or optim.adamw(1e-3, **ADAMW, mask=optim.decay_mask)
+    step = ft.train_step(loss_fn, opt, donate=donate)
+    state = ft.TrainState.create(ft.params_of(model), opt)
+    release_params(model)  # as the recipes do: the state holds the params, once
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randint(0, dims["vocab_size"], (rows, dims["seq_len"] + 1), generator=g)
+    batch = {
+        "input": x[:, :-1].contiguous().to(run.device),
+        "target": x[:, 1:].contiguous().to(run.device),
+    }
+    return model, loss_fn, opt, step, state, batch
+
+
+def max_diff(a, b) -> float:
+    """Largest absolute difference between two TensorDicts of the same keys."""
+    return max((x - b[k]).abs().max().item() for k, x in a.items(True, True))
+
+
+def peak_bytes(run: Run, fn) -> int:
+    """Bytes above what was allocated before ``fn()`` at its peak (CUDA allocator's count)."""
+    if run.device.type != "cuda":
+        fn()
+        return 0
+    run.sync()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    run.sync()
+    return torch.cuda.max_memory_allocated() - base
+
+
+# -- checks ---------------------------------------------------------------------------------------
+def check_transforms(run: Run) -> None:
+    dims = CHECK_TINY if run.tiny else CHECK
+    rows = 4 if run.tiny else 8
+    # accumulate: DESIGN's bound (1e-5 relative), with SGD + momentum as the suite checks it
+    # (tests/test_transforms_accumulate.py): Adam's division by sqrt(v) would amplify the fp32
+    # rounding of a different summation order on near-zero gradients
+    sgd = optim.sgd(0.1, momentum=0.9)
+    _, _, _, step, state, batch = gpt_task(run, dims, rows, opt=sgd)
+    try:
+        testing.assert_steps_close(step, ft.accumulate(step, 4), state, batch, steps=3, rtol=1e-5,
+                                   atol=1e-6)  # fmt: skip
+        ok, what = True, "within"
+    except AssertionError as e:
+        ok, what = False, " ".join(str(e).split())[:160]
+    run.check("accumulate(4) vs whole batch, fp32, 3 SGD-momentum steps", what,
+              "rtol 1e-5, atol 1e-6", ok)  # fmt: skip
+    _, _, _, step, state, batch = gpt_task(run, dims, rows)
+    # checkpoint: the same loss and grads (the same update), fewer bytes held
+    plain_out = {}
+    peak = peak_bytes(run, lambda: plain_out.setdefault("s", step(state, batch)))
+    for policy in ("blocks", "selective"):
+        out = {}
+        checkpointed = ft.checkpoint(step, policy)
+        p = peak_bytes(run, lambda s=checkpointed, o=out: o.setdefault("s", s(state, batch)))
+        d = max_diff(plain_out["s"][0].params, out["s"][0].params)
+        mib = f"; peak {p / 2**20:.0f} vs {peak / 2**20:.0f} MiB plain" if peak else ""
+        run.check(f"checkpoint {policy} vs plain", f"max abs diff of params {d:.1e}{mib}", "1e-6",
+                  d <= 1e-6)  # fmt: skip
+    # autocast: bf16 and fp16 losses near fp32's; fp16 skips nothing on a sane model
+    ref = float(plain_out["s"][1]["loss"])
+    for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        cast = ft.autocast(step, dtype)
+        st, m = cast(cast.init_extra(state), batch)
+        rel = abs(float(m["loss"]) - ref) / abs(ref)
+        skipped = bool(m["skipped"]) if "skipped" in m else False
+        finite = all(bool(torch.isfinite(t).all()) for t in st.params.values(True, True))
+        run.check(f"autocast {name} vs fp32 loss", f"rel {rel:.1e}" + (", skipped" if skipped else ""),
+                  "1e-2, finite, not skipped", rel <= 1e-2 and finite and not skipped)  # fmt: skip
+
+
+def check_save_load(run: Run) -> None:
+    _, _, _, _, state, _ = gpt_task(run, CHECK_TINY, 2)
+    with tempfile.TemporaryDirectory() as tmp:
+        t = time.perf_counter()
+        handle = ft.save(state, Path(tmp) / "c", blocking=False)
+        returned = time.perf_counter() - t
+        handle.wait()
+        done = time.perf_counter() - t
+        on_cpu = ft.load(Path(tmp) / "c")
+        back = ft.load(Path(tmp) / "c", like=state)
+    same = all(torch.equal(on_cpu.params[k], v.cpu()) and torch.equal(back.params[k], v)
+               and back.params[k].device == v.device and on_cpu.params[k].device.type == "cpu"
+               for k, v in state.params.items(True, True))  # fmt: skip
+    run.check(f"save on {run.device.type} -> load on cpu -> load back (like=)",
+              f"bitwise; save returned in {returned * 1e3:.0f} ms, done in {done * 1e3:.0f} ms",
+              "bitwise", same)  # fmt: skip
+
+
+def check_memory_plan(run: Run) -> None:
+    """ft.memory's prediction against the allocator's peak (CUDA) or live bytes (CPU)."""
+    dims = CHECK_TINY if run.tiny else PLAN
+    rows = 4 if run.tiny else 16
+    compositions = {
+        "fp32": lambda s: s,
+        "bf16": lambda s: ft.autocast(s, torch.bfloat16),
+        "bf16 + blocks": lambda s: ft.checkpoint(ft.autocast(s, torch.bfloat16), "blocks"),
+        "accumulate(4)": lambda s: ft.accumulate(s, 4),
+        "accumulate(4) + selective + bf16": lambda s: ft.accumulate(
+            ft.checkpoint(ft.autocast(s, torch.bfloat16), "selective"), 4),
+    }  # fmt: skip
+    for name, compose in compositions.items():
+        if run.device.type == "cuda":
+            torch.cuda.empty_cache()
+            base = torch.cuda.memory_allocated()
+        _, _, _, step, state, batch = gpt_task(run, dims, rows, donate=True)
+        step = compose(step)
+        state = step.init_extra(state)
+        predicted = ft.memory(step, state, batch).peak
+        if run.device.type == "cuda":
+            run.sync()
+            torch.cuda.reset_peak_memory_stats()
+            out = step(state, batch)
+            run.sync()
+            measured = torch.cuda.max_memory_allocated() - base
+            del out
+        else:
+            measured = testing.peak_bytes(step, state, batch)
+        ratio = predicted / measured
+        run.check(f"ft.memory peak, {name}", f"{predicted / 2**20:.1f} / {measured / 2**20:.1f} MiB = {ratio:.3f}",
+                  "0.90 to 1.10", 0.9 <= ratio <= 1.1)  # fmt: skip
+        del step, state, batch
+
+
+def check_loader(run: Run) -> None:
+    class Rows(torch.utils.data.Dataset):
+        def __len__(self):
+            return 64
+
+        def __getitem__(self, i):
+            return {"input": torch.arange(i, i + 8), "target": torch.full((8,), i)}
+
+    ref = list(ft.data.loader(Rows(), 8, seed=0))
+    got = list(ft.data.loader(Rows(), 8, seed=0, device=run.device, num_workers=2))
+    ok = all(v.device.type == run.device.type for b in got for v in b.values()) and all(
+        torch.equal(a[k], b[k].cpu()) for a, b in zip(ref, got) for k in a
+    )
+    run.check(f"data.loader(device={run.device.type!r})", f"{len(got)} batches on {run.device.type}",
+              "same batches, on the device", ok and len(got) == len(ref))  # fmt: skip
+
+
+# -- shard over NCCL: one process per GPU -----------------------------------------------------------
+def _shard_rank(rank: int, world: int, store: str, device_type: str, tiny: bool, out: str) -> None:
+    import torch.distributed as dist
+
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    if device_type == "cuda":
+        torch.cuda.set_device(rank)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
+    run = Run(torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu"),
+              tiny, False)  # fmt: skip
+    _, _, _, step, state, batch = gpt_task(run, CHECK_TINY if tiny else CHECK, 4 * world)
+    want, _ = step(state, batch)  # one process, the whole batch
+    mine = {k: v.chunk(world)[rank] for k, v in batch.items()}
+    lines = []
+    for strategy in ("ddp", "zero2", "fsdp"):
+        got, _ = ft.shard(step, strategy)(ft.shard_state(state, strategy), mine)
+        d = max_diff(want.params, ft.unshard_state(got).params)
+        lines.append(f"{strategy} {d:.3e}")
+    dist.destroy_process_group()
+    if rank == 0:
+        Path(out).write_text("\n".join(lines))
+
+
+def check_shard(run: Run) -> None:
+    import torch.multiprocessing as mp
+
+    world = torch.cuda.device_count() if run.device.type == "cuda" else 2  # the CPU: 2 gloo ranks
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "out")
+        mp.spawn(_shard_rank, (world, os.path.join(tmp, "store"), run.device.type, run.tiny, out),
+                 nprocs=world)  # fmt: skip
+        results = Path(out).read_text().splitlines()
+    backend = "NCCL" if run.device.type == "cuda" else "gloo"
+    for line in results:
+        strategy, d = line.split()
+        run.check(f"shard {strategy} over {backend}, {world} process(es) vs 1 on the whole batch",
+                  f"max abs diff of params {float(d):.1e}", "1e-5", float(d) <= 1e-5)  # fmt: skip
+
+
+# -- the GPT-2 124M bench ---------------------------------------------------------------------------
+def matmul_peak(run: Run) -> float:
+    """The best bf16 matmul FLOP/s measured here (square products; fp32 on the CPU dry run)."""
+    n, dtype = (512, torch.float32) if run.device.type != "cuda" else (8192, torch.bfloat16)
+    a = torch.randn(n, n, device=run.device, dtype=dtype)
+    b = torch.randn(n, n, device=run.device, dtype=dtype)
+    best = 0.0
+    for _ in range(3):
+        a @ b
+        run.sync()
+        t = time.perf_counter()
+        for _ in range(10):
+            a @ b
+        run.sync()
+        best = max(best, 10 * 2 * n**3 / (time.perf_counter() - t))
+    return best
+
+
+def ftrain_side(run: Run, dims: dict, x, y, compiled: bool):
+    """ftrain's donated bf16 step as ``ftrain train`` composes it: a function doing one step."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**dims)).to(run.device)
+
+    def loss_fn(params, batch):
+        return ft.losses.cross_entropy(ft.apply(model, params, batch["input"]), batch["target"])
+
+    opt = optim.adamw(6e-4, **ADAMW, mask=optim.decay_mask)
+    step = ft.autocast(ft.train_step(loss_fn, opt, donate=True), torch.bfloat16)
+    if compiled:
+        step = ft.compile(step)
+    box = {"state": ft.TrainState.create(ft.params_of(model), opt)}
+    release_params(model)  # as ftrain train does: the params live in the state only
+    batch = {"input": x, "target": y}
+    if compiled:  # compiles on the first call; no step after it may compile again
+        box["state"], history = testing.assert_no_recompile(step, box["state"], [batch] * 3)
+        box["first"] = history[0]["loss"]
+
+    def one():
+        box["state"], metrics = step(box["state"], batch)
+        return metrics["loss"]
+
+    return one, box
+
+
+def torch_side(run: Run, dims: dict, x, y, compiled: bool):
+    """The imperative loop of nanoGPT's bench.py: fused AdamW, autocast, the loss in the
+    (compiled) forward, backward, step, zero_grad."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**dims)).to(run.device)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": ADAMW["weight_decay"]},
+              {"params": rest, "weight_decay": 0.0}]  # fmt: skip
+    opt = torch.optim.AdamW(groups, lr=6e-4, betas=(ADAMW["b1"], ADAMW["b2"]), fused=True)
+
+    def forward(x, y):
+        logits = model(x)  # (B, T, vocab)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+
+    forward = torch.compile(forward) if compiled else forward
+
+    def one():
+        with torch.autocast(run.device.type, dtype=torch.bfloat16):
+            loss = forward(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return one, {"first": None}
+
+
+def bench(run: Run) -> tuple[str, list]:
+    dims = BENCH_TINY if run.tiny else BENCH
+    rows, warm, timed = (4, 2, 5) if run.tiny else (12, 5, 20)
+    g = torch.Generator().manual_seed(0)
+    data = torch.randint(0, dims["vocab_size"], (rows, dims["seq_len"] + 1), generator=g)
+    x, y = data[:, :-1].contiguous().to(run.device), data[:, 1:].contiguous().to(run.device)
+    peak = matmul_peak(run)
+    flops = flops_per_token(GPTConfig(**dims)) * rows * dims["seq_len"]
+    table, losses, profiles = [], {}, []
+    modes = (False, True) if run.compile else (False,)
+    for compiled in modes:
+        for name, side in (("ftrain (donated step)", ftrain_side), ("PyTorch loop", torch_side)):
+            if run.device.type == "cuda":
+                torch.cuda.empty_cache()
+                run.sync()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+            t0 = time.perf_counter()
+            one, box = side(run, dims, x, y, compiled)
+            first = one() if box.get("first") is None else box["first"]
+            losses[(name, compiled)] = float(first)
+            for _ in range(warm):
+                one()
+            run.sync()
+            setup = time.perf_counter() - t0
+            t = time.perf_counter()
+            for _ in range(timed):
+                one()
+            run.sync()
+            ms = (time.perf_counter() - t) / timed * 1e3
+            mem = (
+                (torch.cuda.max_memory_allocated() - base) / 2**30
+                if run.device.type == "cuda"
+                else float("nan")
+            )
+            table.append(
+                (
+                    compiled,
+                    name,
+                    ms,
+                    rows * dims["seq_len"] / ms * 1e3,
+                    flops / (ms / 1e3) / peak,
+                    mem,
+                    setup,
+                )
+            )
+            print(
+                f"  {'compiled' if compiled else 'eager'} {name}: {ms:.2f} ms/iter, {mem:.2f} GiB, setup {setup:.0f} s",
+                flush=True,
+            )
+            if not compiled:
+                profiles.append((name, kernel_table(run, one)))
+            del one, box
+    e_ft, e_pt = losses[("ftrain (donated step)", False)], losses[("PyTorch loop", False)]
+    run.check("bench: ftrain's first loss vs the PyTorch loop's (same init, bf16)",
+              f"{e_ft:.4f} vs {e_pt:.4f}", "rel 1e-2", abs(e_ft - e_pt) <= 1e-2 * abs(e_pt))  # fmt: skip
+    if run.compile:
+        c_ft = losses[("ftrain (donated step)", True)]
+        run.check("compile: no recompile over 3 steps; first loss vs eager", f"{c_ft:.4f} vs {e_ft:.4f}",
+                  "rel 1e-2", abs(c_ft - e_ft) <= 1e-2 * abs(e_ft))  # fmt: skip
+    return _bench_markdown(run, dims, rows, peak, table), profiles
+
+
+def _bench_markdown(run: Run, dims, rows, peak, table) -> str:
+    lines = [f"{dims['n_layer']} layers, {dims['d_model']} wide, block {dims['seq_len']}, vocab "
+             f"{dims['vocab_size']}, batch {rows}, bf16 autocast, AdamW (lr 6e-4, betas 0.9/0.95, "
+             f"wd 0.1 on matrices). Peak: {peak / 1e12:.3g} TFLOP/s measured "
+             f"({'bf16' if run.device.type == 'cuda' else 'fp32'} matmul).", "",
+             "| mode | side | ms/iter | / PyTorch | tokens/s | MFU | peak GiB | build + warm-up s |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    ref = {c: ms for c, n, ms, *_ in table if n == "PyTorch loop"}
+    for compiled, name, ms, tok, mfu, mem, setup in table:
+        lines.append(f"| {'compiled' if compiled else 'eager'} | {name} | {ms:.2f} | "
+                     f"{ms / ref[compiled]:.2f} | {tok:,.0f} | {mfu:.2f} | {mem:.2f} | {setup:.0f} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def kernel_table(run: Run, one, steps: int = 3, top: int = 15) -> list[str]:
+    """The ``top`` kernels (ops on the CPU) by self device time over ``steps`` steps, per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = run.device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            one()
+        run.sync()
+
+    def self_time(e) -> float:  # µs; the attribute's name changed across torch versions
+        if not cuda:
+            return e.self_cpu_time_total
+        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+
+    averages = list(prof.key_averages())
+    if cuda:  # the kernels themselves, not also the CPU ops that launched them
+        kernels = [e for e in averages if str(getattr(e, "device_type", "")).endswith("CUDA")]
+        averages = kernels or averages
+    events = sorted(averages, key=self_time, reverse=True)[:top]
+    total = sum(self_time(e) for e in averages) / steps
+    rows = [
+        f"| `{e.key[:70]}` | {e.count // steps} | {self_time(e) / steps / 1e3:.3f} |"
+        for e in events
+    ]
+    return [
+        f"| kernel | calls/step | self ms/step (all: {total / 1e3:.2f}) |",
+        "| --- | ---: | ---: |",
+        *rows,
+    ]
+
+
+def adamw_alone(run: Run) -> str:
+    """ft.optim.adamw's update (in place, as the donated step runs it) against torch.optim.AdamW
+    fused and foreach, on the bench model's params, fixed gradients copied in before each call."""
+    torch.manual_seed(0)
+    params = ft.params_of(GPT(GPTConfig(**(BENCH_TINY if run.tiny else BENCH))).to(run.device))
+    grads = params.apply(lambda p: torch.randn_like(p) * 1e-2)
+    fns = {}
+    src = list(grads.values(True, True))
+    # ft.optim.adamw as it comes (fused=None where it has the option) and forced to foreach
+    choices = {"ft.optim.adamw": {}}
+    if "fused" in inspect.signature(optim.adamw).parameters:
+        choices = {
+            "ft.optim.adamw (fused=None)": {},
+            "ft.optim.adamw (fused=False)": {"fused": False},
+        }
+    for label, kw in choices.items():
+        opt = optim.adamw(6e-4, **ADAMW, mask=optim.decay_mask, **kw)
+        box = {"params": params.clone(), "grads": grads.clone()}
+        box["state"] = opt.init(box["params"])
+        dst = list(box["grads"].values(True, True))
+
+        def ours(opt=opt, box=box, dst=dst):
+            torch._foreach_copy_(dst, src)
+            updates, box["state"] = opt.update(
+                box["grads"], box["state"], box["params"], inplace=True
+            )
+            optim.apply_updates(box["params"], updates, inplace=True)
+
+        fns[label] = ours
+    for kind in ("fused", "foreach"):
+        leaves = [p.clone().requires_grad_() for p in params.values(True, True)]
+        for p, g in zip(leaves, src):
+            p.grad = g.clone()
+        o = torch.optim.AdamW(leaves, lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1, **{kind: True})
+
+        def theirs(o=o, leaves=leaves):
+            torch._foreach_copy_([p.grad for p in leaves], src)
+            o.step()
+
+        fns[f"torch.optim.AdamW({kind}=True)"] = theirs
+    n = 5 if run.tiny else 50
+    out = {}
+    for name, f in fns.items():
+        for _ in range(3):
+            f()
+        run.sync()
+        t = time.perf_counter()
+        for _ in range(n):
+            f()
+        run.sync()
+        out[name] = (time.perf_counter() - t) / n * 1e3
+    count = sum(p.numel() for p in params.values(True, True))
+    fused = out["torch.optim.AdamW(fused=True)"]
+    lines = [f"AdamW update alone on {count / 1e6:.1f}M params (gradient copy included on every side):", "",
+             "| update | ms | / torch fused |", "| --- | ---: | ---: |"]  # fmt: skip
+    lines += [f"| {k} | {v:.3f} | {v / fused:.2f} |" for k, v in out.items()]
+    return "\n".join(lines)
+
+
+# -- main -----------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else None)
+    p.add_argument("--tiny", action="store_true", help="tiny sizes: a dry run of every part")
+    p.add_argument("--no-compile", dest="compile", action="store_false",
+                   help="skip the two compiles (and the compile check)")  # fmt: skip
+    p.add_argument("--results", default=None, metavar="FILE",
+                   help="the RESULTS.md to write the GPU section into (default: benchmarks/"
+                   "RESULTS.md on a GPU without --tiny; nothing otherwise)")  # fmt: skip
+    args = p.parse_args(argv)
+    if args.device is None:
+        p.error("no CUDA device here; for a dry run on the CPU pass --device cpu --tiny")
+    run = Run(torch.device(args.device), args.tiny, args.compile)
+    if run.device.type == "cuda":
+        torch.cuda.set_device(run.device)
+    t0 = time.perf_counter()
+    print(f"benchmarks/gpu.py on {machine()}", flush=True)
+    parts = [("transforms", check_transforms), ("save/load", check_save_load),
+             ("loader", check_loader), ("shard", check_shard), ("memory plan", check_memory_plan)]  # fmt: skip
+    for name, fn in parts:
+        t = time.perf_counter()
+        try:
+            fn(run)
+        except Exception as e:  # noqa: BLE001 - a broken check is reported, the run goes on
+            run.check(
+                f"{name}: raised", f"{type(e).__name__}: {str(e).splitlines()[0][:120]}", "-", False
+            )
+        print(f"== {name}: {time.perf_counter() - t:.0f} s", flush=True)
+    t = time.perf_counter()
+    table, profiles = bench(run)
+    updates = adamw_alone(run)
+    print(table, updates, sep="\n\n")
+    print(
+        f"== bench: {time.perf_counter() - t:.0f} s; total {time.perf_counter() - t0:.0f} s",
+        flush=True,
+    )
+    target = args.results or (RESULTS if run.device.type == "cuda" and not run.tiny else None)
+    if target is not None:
+        write(run, Path(target), table, updates, profiles, time.perf_counter() - t0)
+    failed = [r for r in run.rows if r.endswith("**FAIL** |")]
+    print(f"{len(run.rows) - len(failed)} of {len(run.rows)} checks passed")
+    return 1 if failed else 0
+
+
+def write(run: Run, path: Path, table: str, updates: str, profiles, seconds: float) -> None:
+    name = torch.cuda.get_device_name(run.device) if run.device.type == "cuda" else "CPU dry run"
+    body = [f"`python benchmarks/gpu.py{' --tiny' if run.tiny else ''}` on **{name}**; {machine()}; "
+            f"{seconds:.0f} s in all.", "", "### Checks", "",
+            "| check | measured | bound | |", "| --- | --- | --- | --- |", *run.rows, "",
+            "### GPT-2 124M (nanoGPT bench.py's setting)", "", table, "", updates]  # fmt: skip
+    for side, rows in profiles:
+        body += ["", f"### Kernels of one eager step: {side}", "", *rows]
+    import _common  # write_section writes _common.RESULTS: pointed at `path` for this call
+
+    previous = _common.RESULTS
+    _common.RESULTS = path
+    try:
+        write_section("GPU", "\n".join(body))
+    finally:
+        _common.RESULTS = previous
+    print(f"wrote the GPU section of {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
