@@ -22,7 +22,6 @@ base (``ftrain.transforms.lora.split_base``): whoever loads it puts the model's 
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import sys
@@ -35,7 +34,6 @@ import ftrain as ft
 from ftrain import data
 from ftrain.config import TrainConfig
 from ftrain.data.build import read_meta
-from ftrain.models import generate
 from ftrain.models.hf import weights_sha256
 from ftrain.recipes import gpt, hf
 from ftrain.transforms.lora import join_base, split_base
@@ -243,11 +241,10 @@ def chat_reply(
     turn = [{"role": "user", "content": message}]
     ids = tok.encode(data.render_chat(tok, turn, add_generation_prompt=True))
     stops = [s for s in (tok.encode(data.end_of_turn(tok)), [tok.eot_id]) if s]
-    model = copy.deepcopy(loaded.model)  # the template stays untouched
-    model.load_state_dict(ft.state_dict_of(loaded.params), strict=False)  # tied weights once
-    seq_len = hf.context_length(model) if loaded.cfg.model_dir else None
-    out = generate(model.eval(), torch.tensor([ids]), max_new_tokens, temperature=temperature,
-                   top_k=top_k, generator=torch.Generator().manual_seed(seed), seq_len=seq_len,
-                   stop_sequences=stops)[0, len(ids):].tolist()  # fmt: skip
+    seq_len = hf.context_length(loaded.model) if loaded.cfg.model_dir else None
+    # on the params' device, through ft.apply: the run's template may hold no params of its own
+    out = gpt.generate_from(loaded.model, loaded.params, torch.tensor([ids]), max_new_tokens,
+                            temperature=temperature, top_k=top_k, seed=seed, seq_len=seq_len,
+                            stop_sequences=stops)[0, len(ids):].tolist()  # fmt: skip
     ends = [i for s in stops for i in range(len(out)) if out[i : i + len(s)] == s]
     return tok.decode(out[: min(ends, default=len(out))])

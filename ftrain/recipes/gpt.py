@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -355,17 +356,19 @@ def generate_from(
     top_k: int | None,
     seed: int,
     seq_len: int | None = None,
+    stop_sequences: Sequence[Sequence[int]] = (),
 ) -> torch.Tensor:
     """``ftrain.models.generate`` of the token ids ``ids`` (B, T) run with ``params`` in eval
     mode, from a generator seeded with ``seed`` (the same seed gives the same tokens). ``model``
     is not changed and its own params are not read (``ft.apply`` runs an eval-mode copy of it
     with ``params``; a released template works). It runs on the params' device (the ids and the
     generator go there; the result too)."""
-    device = ft.tree.first_leaf(params).device
+    leaves = ft.tree.flatten(params)[0]
+    device = leaves[0].device if leaves else ids.device  # a model without params: the ids'
     applied = _Applied(copy.deepcopy(model), params).eval()  # the template stays untouched
     generator = torch.Generator(device=device).manual_seed(seed)
     return generate(applied, ids.to(device), max_new_tokens, temperature=temperature, top_k=top_k,
-                    generator=generator, seq_len=seq_len)  # fmt: skip
+                    generator=generator, seq_len=seq_len, stop_sequences=stop_sequences)  # fmt: skip
 
 
 class _Applied(torch.nn.Module):
