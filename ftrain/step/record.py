@@ -36,7 +36,7 @@ from ftrain.losses import Loss, RowMean, as_loss, warn_row_weighted
 from ftrain.optim.base import GradientTransformation, LeafContext, leaf_update
 from ftrain.optim.transforms import global_norm
 from ftrain.state import TrainState
-from ftrain.step.engine import AutogradEngine, nonzero
+from ftrain.step.engine import AutogradEngine, Grads, nonzero
 from ftrain.step.transform import Gradients, StepFn, Transform
 
 __all__ = ["Step", "train_step"]
@@ -204,21 +204,40 @@ class Step:
                 [f"ft.{t.name}" for t in hooks.reduce],
             )
 
+    @property
+    def piecewise(self) -> bool:
+        """Whether the step splits its batch and :meth:`backward` of each piece alone, summed,
+        is that of all (the default ``AutogradEngine``; a swapped-in one may look at all)."""
+        return bool(self._hooks.split) and type(self._engine) is AutogradEngine
+
     def core(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
         """Phases 2-5 (forward, grad, reduce, update), without the set-up or ``wrap`` hooks:
-        what ``ft.compile`` compiles."""
+        ``finish(state, backward(state, split(batch)))``, what ``ft.compile`` compiles."""
+        return self.finish(state, self.backward(state, self.split(batch)))
+
+    def backward(self, state: TrainState, pieces: list[Any], of: int | None = None) -> Grads:
+        """Phases 2-3: the engine's forward and backward over ``pieces``, summed; ``of`` pieces
+        in the whole step (default: these; ``ft.compile`` runs a :attr:`piecewise` one by one)."""
         hooks = self._hooks
         scaler = hooks.loss_scale
         scale = scaler.loss_scale(state) if scaler is not None else None
-        pieces = self.split(batch)
+        of = len(pieces) if of is None else of
         forward = self._forward
-        combined = len(pieces) > 1 or hooks.reduce
+        combined = of > 1 or hooks.reduce
         if combined and not getattr(self._engine, "weighs_rows", False):
             # pieces are combined: check how they are weighted
-            forward = functools.partial(self._forward, pieces=len(pieces))
+            forward = functools.partial(self._forward, pieces=of)
         if hooks.loss_params:  # what the loss function sees besides the differentiated params
             forward = _with_loss_params(forward, hooks.loss_params, state)
-        grads, total, count, aux, owned = self._engine(forward, state.params, pieces, scale)
+        return self._engine(forward, state.params, pieces, scale)
+
+    def finish(self, state: TrainState, out: Grads) -> tuple[TrainState, dict[str, torch.Tensor]]:
+        """Phases 4-5 from ``out``, the whole batch's :meth:`backward`: the reduction, the one
+        division by the count, the ``gradients`` hooks and the optimizer update."""
+        hooks = self._hooks
+        scaler = hooks.loss_scale
+        scale = scaler.loss_scale(state) if scaler is not None else None
+        grads, total, count, aux, owned = out
         if hooks.reduce:  # phase 4: sums across processes
             sums = torch.stack([total.float(), count.float()])
             for t in hooks.reduce:
