@@ -104,22 +104,22 @@ class _LoopedStep:
         self.piece = _CompiledStep(torch.compile(self._piece, **options))
         self.finish = torch.compile(step.finish, **options)
 
-    def _piece(self, state, piece, of: int, grads: list[torch.Tensor]):
+    def _piece(self, state, piece, scale, of: int, grads: list[torch.Tensor]):
         """One piece's forward and backward; its gradients added into ``grads`` in place."""
-        g = self.step.backward(state, [piece], of=of)
+        g = self.step.backward(state, [piece], scale, of=of)
         foreach.add_(grads, g.grads)
         return g.total, g.count, g.aux
 
     def __call__(self, state, batch):
-        pieces = self.step.split(batch)
+        pieces, scale = self.step.split(batch), self.step.loss_scale(state)
         grads = [torch.zeros_like(p) for p in tree.leaves(state.params)]
         total = count = None
         aux: dict[str, torch.Tensor] = {}
         for piece in pieces:
-            t, c, piece_aux = self.piece(state, piece, len(pieces), grads)
+            t, c, piece_aux = self.piece(state, piece, scale, len(pieces), grads)
             total, count = (t, c) if total is None else (total + t, count + c)
             add_aux(aux, piece_aux, len(pieces))
-        return self.finish(state, Grads(grads, total, count, aux, True))
+        return self.finish(state, Grads(grads, total, count, aux, True), scale)
 
 
 def compile(step: Step, **torch_compile_kwargs) -> Step:  # noqa: A001 - mirrors torch.compile
@@ -157,10 +157,10 @@ def compile(step: Step, **torch_compile_kwargs) -> Step:  # noqa: A001 - mirrors
     acts inside the step (split, forward contexts, model rewrites, the engine, loss scaling, the
     reduction, the gradients, the optimizer) is compiled, whichever transform it comes from and
     whenever it was applied. Only the set-up runs eagerly around the compiled function: seeding
-    from ``state.rng``, the ``init`` and ``around_step`` hooks, the micro-batch loop itself (its
-    split and the 0-d sums of loss totals, counts and aux metrics), and the ``wrap`` hooks of
-    transforms applied *after* compile (those applied before are compiled with the step;
-    ``ft.vmap`` is always compiled: its ``wrap_order`` puts it innermost).
+    from ``state.rng``, the ``init`` and ``around_step`` hooks, the micro-batch loop itself (the
+    split, the read of the loss scale, the 0-d sums of loss totals, counts and aux metrics), and
+    the ``wrap`` hooks of transforms applied *after* compile (those applied before are compiled
+    with the step; ``ft.vmap`` is always compiled: its ``wrap_order`` puts it innermost).
     Learning rates and other changing hyper-parameters are tensors computed inside, so a schedule
     never triggers a recompile. Compiling twice is refused, and so is compiling a step with a
     transform that dynamo cannot trace (``ft.shard(step, "fsdp")``), in either order.
