@@ -60,9 +60,10 @@ class _CompiledStep:
     compile is refused before anything runs, so nothing was changed) and said once.
     """
 
-    def __init__(self, fn):
+    def __init__(self, fn, stacklevel: int = 3):
         self.fn = fn
         self.backward_apart = False
+        self.stacklevel = stacklevel  # the warning points at the user's call of the step
 
     def __call__(self, *args):
         if not self.backward_apart:
@@ -78,7 +79,7 @@ class _CompiledStep:
                     "graph of forward, backward and update (they draw random numbers, e.g. "
                     "dropout or scaled_dot_product_attention); compiling the backward apart "
                     "instead (same results, same memory).",
-                    stacklevel=3,
+                    stacklevel=self.stacklevel,
                 )
         return self.fn(*args)
 
@@ -101,7 +102,7 @@ class _LoopedStep:
 
     def __init__(self, step: Step, options):
         self.step = step
-        self.piece = _CompiledStep(torch.compile(self._piece, **options))
+        self.piece = _CompiledStep(torch.compile(self._piece, **options), stacklevel=4)
         self.finish = torch.compile(step.finish, **options)
 
     def _piece(self, state, piece, scale, of: int, grads: list[torch.Tensor]):
