@@ -147,8 +147,12 @@ def compile(step: Step, **torch_compile_kwargs) -> Step:  # noqa: A001 - mirrors
     micro-batch graph holds one backward, which the compiler can recompute checkpointed blocks
     in. Uneven splits (``torch.tensor_split``: 10 rows in 4 are 3, 3, 2, 2) compile the
     micro-batch once more on the first call, where dynamo meets the second shape and makes the
-    batch dimension dynamic; later steps with the same batch shape recompile nothing. The step
-    is kept as one graph, and compile time grows with k as before, where it cannot be split so:
+    batch dimension dynamic; later steps with the same batch shape recompile nothing. The price
+    is per call: each compiled call checks dynamo's guards on its inputs (about 0.5 ms on a
+    2-core CPU), k + 1 times a step instead of once (a step 1.22x the one graph's at k = 8 for a
+    GPT whose micro-batch takes 3 ms: ``benchmarks/RESULTS.md``; less as micro-batches grow).
+    The step is kept as one graph, and compile time grows with k as before, where it cannot be
+    split so:
     a ``wrap`` hook applied before compile (``ft.ema``, ``ft.wrap``, ``ft.vmap``) wraps the
     function ft.compile is given, which then hides the loop (apply ``ft.ema`` after
     ``ft.compile`` to keep it split), and a gradient engine swapped in by a transform
