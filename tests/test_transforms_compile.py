@@ -1,5 +1,6 @@
 """ft.compile (ftrain.transforms.compile): the whole step as one graph (checkpointed blocks
-included), the same result as eager with no recompiles, and its ordering rules."""
+included), or under ft.accumulate one micro-batch graph looped and an update graph whatever the
+number of micro-batches; the same result as eager with no recompiles, and its ordering rules."""
 
 import pytest
 import torch
@@ -14,8 +15,10 @@ from _tiny import UNEVEN, chain_step, gpt_step, lm_batch, lm_loss, tiny_gpt
 def test_compile_matches_eager_without_recompiles():
     """Slow (30-90 s on 2 CPU cores): the one test that runs torch.compile's code generation.
 
-    The composition of the design's example, compiled: checkpoint and accumulate inside. Dropout
-    is off because inductor draws its own random numbers (compiled dropout is not eager's).
+    The composition of the design's example, compiled: checkpoint and accumulate inside, over
+    an uneven split (9 rows: micro-batches of 5 and 4, so the micro-batch compiles twice in the
+    first call, the second time with a dynamic batch dimension). Dropout is off because inductor
+    draws its own random numbers (compiled dropout is not eager's).
     """
     model = tiny_gpt(bias=False)
     schedule = ft.optim.warmup_cosine(1e-2, warmup_steps=2, decay_steps=6)
@@ -23,7 +26,7 @@ def test_compile_matches_eager_without_recompiles():
     state = ft.TrainState.create(ft.params_of(model), opt)
     eager = ft.checkpoint(ft.accumulate(ft.train_step(lm_loss(model), opt), 2))
     compiled = ft.compile(eager)
-    batches = [lm_batch(8, seed=i, lengths=UNEVEN) for i in range(5)]
+    batches = [lm_batch(9, seed=i, lengths=UNEVEN) for i in range(5)]
 
     # Calls 2..5 walk the schedule through warmup into the cosine: new lr values, same graphs.
     # The blocks hold scaled_dot_product_attention, which torch's compiler will not recompute
@@ -45,16 +48,16 @@ def test_compile_matches_eager_without_recompiles():
     "transform",
     [
         lambda s: s,
-        lambda s: ft.accumulate(s, 2),
         lambda s: ft.autocast(s, torch.bfloat16),
         lambda s: ft.autocast(s, torch.float16),
         lambda s: ft.ema(ft.accumulate(ft.autocast(s, torch.bfloat16), 2)),
     ],
-    ids=["plain", "accumulate", "bf16", "fp16", "ema+accumulate+bf16"],
+    ids=["plain", "bf16", "fp16", "ema+accumulate+bf16"],
 )
 def test_compile_captures_the_whole_step_as_one_graph(transform):
     """Forward, torch.autograd.grad, the count division, clipping norm and the optimizer update
-    in one dynamo graph: nothing between the phases runs eagerly."""
+    in one dynamo graph: nothing between the phases runs eagerly. (ema's wrap inside compile
+    keeps an accumulating step whole too: the micro-batch loop is not split out of it.)"""
     _, step, state = gpt_step()
     graph = assert_one_graph(transform(step), state, lm_batch(8, lengths=UNEVEN))
     targets = {n.target for n in graph.graph.nodes if n.op == "call_function"}
@@ -62,6 +65,74 @@ def test_compile_captures_the_whole_step_as_one_graph(transform):
     assert targets & {torch._foreach_add, torch._foreach_add_}  # and so is the update (p + u)
     # the setting that lets dynamo trace autograd.grad is scoped to the compiled call
     assert torch._dynamo.config.trace_autograd_ops is False
+
+
+def _traced(build, state, batches):
+    """``build(ft.compile)`` compiled with a backend that records dynamo's graphs and runs them
+    as traced (no code generation), over ``batches`` with no recompile after the first call.
+    Returns the graphs, the final state and the metrics of the last call."""
+    graphs: list[torch.fx.GraphModule] = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = build(lambda s: ft.compile(s, backend=record))
+    final, history = assert_no_recompile(compiled, state, batches)
+    return graphs, final, history[-1]
+
+
+def _targets(graph: torch.fx.GraphModule) -> set:
+    return {n.target for n in graph.graph.nodes if n.op == "call_function"}
+
+
+def test_accumulate_compiles_one_micro_batch_whatever_their_number():
+    """Under ft.accumulate, ft.compile traces one micro-batch's forward and backward (a graph
+    with torch.autograd.grad) and the update (a graph with the optimizer's p + u), once each:
+    the same graphs for 2 micro-batches as for 4, so the compile does not grow with k. The
+    uneven split (10 rows in 4: 3, 3, 2, 2) traces the micro-batch once more in the first call,
+    with a dynamic batch dimension, and nothing after. Each equals the eager step."""
+    _, step, state = gpt_step(n_layer=1)
+    nodes = {}
+    for rows, k in ((8, 2), (10, 4)):
+        batches = [lm_batch(rows, seed=i, lengths=UNEVEN) for i in range(2)]
+        graphs, final, _ = _traced(lambda c, k=k: c(ft.accumulate(step, k)), state, batches)
+        nodes[k] = [len(g.graph.nodes) for g in graphs]
+        assert torch.autograd.grad in _targets(graphs[0])  # a micro-batch
+        assert torch.autograd.grad not in _targets(graphs[-1])  # the update
+        assert _targets(graphs[-1]) & {torch._foreach_add, torch._foreach_add_}
+        s = state
+        for batch in batches:
+            s, _ = ft.accumulate(step, k)(s, batch)
+        for a, b in zip(ft.tree.leaves(final.params), ft.tree.leaves(s.params)):
+            assert max_rel_error(a, b) < 1e-6
+    assert len(nodes[2]) == 2 and len(nodes[4]) == 3, nodes  # 4: static, dynamic, update
+    assert nodes[2] == [nodes[4][0], nodes[4][-1]], nodes  # the same micro-batch and update
+
+
+def test_the_looped_micro_batches_compose_with_fp16_checkpoint_and_ema():
+    """fp16 loss scaling (the scale read in each micro-batch, the skip decided in the update),
+    checkpointed blocks and ema applied after compile run in the two looped graphs and equal
+    the eager step, metrics included. (ema applied before compile wraps the function compile
+    is given, which then stays one graph: test_compile_captures_the_whole_step_as_one_graph.)"""
+    _, step, state = gpt_step(n_layer=1)
+    batches = [lm_batch(6, seed=i, lengths=UNEVEN) for i in range(2)]
+
+    def build(c):
+        return ft.ema(c(ft.autocast(ft.checkpoint(ft.accumulate(step, 2)), torch.float16)))
+
+    graphs, final, metrics = _traced(build, state, batches)
+    assert len(graphs) == 2
+    eager = build(lambda s: s)
+    s = state
+    for batch in batches:
+        s, m = eager(s, batch)
+    assert metrics.keys() == m.keys() >= {"skipped", "loss_scale"}
+    for key in m:
+        assert max_rel_error(metrics[key], m[key]) < 1e-6, key
+    for a, b in zip(ft.tree.leaves(final), ft.tree.leaves(s)):
+        assert max_rel_error(a.float(), b.float()) < 1e-6
 
 
 @pytest.mark.parametrize("policy", ["blocks", "selective"])

@@ -5,9 +5,9 @@ Calling a step runs one optimizer step in phases; the hooks of its transforms
 
 1. **set-up**  ``init`` hooks add their entries to ``state.extra``; the random generators are
    seeded from ``(state.rng, state.step)`` (``ftrain.rng``); ``around_step`` contexts are entered.
-2. **forward** the batch is ``split`` into pieces; for each, ``loss_fn(params, piece)`` runs (with
-   the params the ``loss_params`` hooks make of the step's own) under the ``around_forward`` contexts, with ``ft.apply`` running the ``rewrite`` of the model, and
-   its result is normalized into an ``ft.Loss`` (a sum and its count).
+2. **forward** the batch is ``split`` into pieces; for each, ``loss_fn(params, piece)`` runs under
+   the ``around_forward`` contexts (params from the ``loss_params`` hooks; ``ft.apply`` runs the
+   model's ``rewrite``), and its result is normalized into an ``ft.Loss`` (a sum and its count).
 3. **grad**    the gradient ``engine`` differentiates the summed totals (times any ``loss_scale``)
    with respect to leaf copies of the params, one backward per piece, into one buffer.
 4. **reduce**  ``reduce`` hooks sum gradients, totals and counts across processes; then *one*
@@ -15,8 +15,8 @@ Calling a step runs one optimizer step in phases; the hooks of its transforms
 5. **update**  ``gradients`` hooks see the result (change it, skip the update, add metrics or
    state); the optimizer's pure update and ``params + updates`` follow, with no host sync.
 
-Phases 2-5 are :meth:`Step.core`; the ``wrap`` hooks (compile, ema) wrap it into the function the
-call runs.
+Phases 2-5 are :meth:`Step.core` (:meth:`Step.backward`, then :meth:`Step.finish`), which the
+``wrap`` hooks (compile, ema) wrap into the function the call runs.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from ftrain.losses import Loss, RowMean, as_loss, warn_row_weighted
 from ftrain.optim.base import GradientTransformation, LeafContext, leaf_update
 from ftrain.optim.transforms import global_norm
 from ftrain.state import TrainState
-from ftrain.step.engine import AutogradEngine, nonzero
+from ftrain.step.engine import AutogradEngine, Grads, nonzero
 from ftrain.step.transform import Gradients, StepFn, Transform
 
 __all__ = ["Step", "train_step"]
@@ -158,9 +158,8 @@ class Step:
                     f"Step.forward(params, batch, state): {names} make the loss function's "
                     "params from the state; pass the state."
                 )
-            return _with_loss_params(self._forward, self._hooks.loss_params, state)(params, batch)[
-                0
-            ]
+            forward = _with_loss_params(self._forward, self._hooks.loss_params, state)
+            return forward(params, batch)[0]
         return self._forward(params, batch)[0]
 
     def _forward(self, params: TensorDict, batch: Any, pieces: int = 0) -> tuple[Loss, bool]:
@@ -189,9 +188,8 @@ class Step:
 
     def _row_weighted(self, pieces: int) -> None:
         """Warn, once per step, that a plain scalar loss is being weighted by rows. While
-        ``torch.compile`` traces, note it for :meth:`__call__` to tell after the call instead: a
-        warning inside the compiled region would break the graph (the note is a plain attribute
-        write, which dynamo replays after each call)."""
+        ``torch.compile`` traces, note it for :meth:`__call__` to tell after the call (a warning
+        would break the graph; dynamo replays the note, an attribute write, after each call)."""
         if torch.compiler.is_compiling():
             self._notices.pending = pieces
         elif not self._notices.told:
@@ -204,21 +202,42 @@ class Step:
                 [f"ft.{t.name}" for t in hooks.reduce],
             )
 
+    @property
+    def piecewise(self) -> bool:
+        """The batch is split and each piece's :meth:`backward` alone sums to that of all."""
+        return bool(self._hooks.split) and type(self._engine) is AutogradEngine
+
+    def loss_scale(self, state: TrainState) -> torch.Tensor | None:
+        """The 0-d tensor the loss is multiplied by before backward (fp16's), or None."""
+        scaler = self._hooks.loss_scale
+        return scaler.loss_scale(state) if scaler is not None else None
+
     def core(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
         """Phases 2-5 (forward, grad, reduce, update), without the set-up or ``wrap`` hooks:
-        what ``ft.compile`` compiles."""
+        :meth:`backward` of the :meth:`split` batch, then :meth:`finish` (what's compiled)."""
+        scale = self.loss_scale(state)
+        return self.finish(state, self.backward(state, self.split(batch), scale), scale)
+
+    def backward(self, state: TrainState, pieces: list, scale, of: int | None = None) -> Grads:
+        """Phases 2-3: the engine's forward and backward over ``pieces``, summed; ``of`` pieces
+        in the whole step (default: these; ``ft.compile`` runs a :attr:`piecewise` one by one)."""
         hooks = self._hooks
-        scaler = hooks.loss_scale
-        scale = scaler.loss_scale(state) if scaler is not None else None
-        pieces = self.split(batch)
+        of = len(pieces) if of is None else of
         forward = self._forward
-        combined = len(pieces) > 1 or hooks.reduce
-        if combined and not getattr(self._engine, "weighs_rows", False):
-            # pieces are combined: check how they are weighted
-            forward = functools.partial(self._forward, pieces=len(pieces))
+        combined = of > 1 or hooks.reduce
+        if combined and not getattr(self._engine, "weighs_rows", False):  # check their weights
+            forward = functools.partial(self._forward, pieces=of)
         if hooks.loss_params:  # what the loss function sees besides the differentiated params
             forward = _with_loss_params(forward, hooks.loss_params, state)
-        grads, total, count, aux, owned = self._engine(forward, state.params, pieces, scale)
+        return self._engine(forward, state.params, pieces, scale)
+
+    def finish(
+        self, state: TrainState, out: Grads, scale
+    ) -> tuple[TrainState, dict[str, torch.Tensor]]:
+        """Phases 4-5 from ``out``, the whole batch's :meth:`backward` with loss ``scale``: the
+        reduction, the one division by the count, the ``gradients`` hooks and the update."""
+        hooks = self._hooks
+        grads, total, count, aux, owned = out
         if hooks.reduce:  # phase 4: sums across processes
             sums = torch.stack([total.float(), count.float()])
             for t in hooks.reduce:

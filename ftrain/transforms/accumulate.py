@@ -53,6 +53,8 @@ def accumulate(step: Step, micro_batches: int) -> Step:
     Each micro-batch runs forward and backward on its own (so activation memory is that of one
     micro-batch); gradients add into a single buffer, loss totals and counts add up, and the
     division by the total count happens once. Splits may be uneven (``torch.tensor_split``).
+    Under ``ft.compile``, one micro-batch's forward and backward is compiled once and called for
+    each piece, so the compile does not grow with ``micro_batches`` (see :func:`ftrain.compile`).
 
     **Invariant:** equals ``step`` on the whole batch, also for token-weighted losses whose
     micro-batches hold different numbers of valid tokens (fp32: params agree to 1e-5 relative).
