@@ -33,7 +33,7 @@ from tensordict import TensorDict
 from ftrain import foreach, rng, tree
 from ftrain.apply import ApplyCache, caching, rewriting
 from ftrain.losses import Loss, RowMean, as_loss, warn_row_weighted
-from ftrain.optim.base import GradientTransformation, LeafContext, leaf_update
+from ftrain.optim.base import GradientTransformation, LeafContext, leaf_apply
 from ftrain.optim.transforms import global_norm
 from ftrain.state import TrainState
 from ftrain.step.engine import AutogradEngine, Grads, nonzero
@@ -93,7 +93,7 @@ class Step:
         derived = {
             "_hooks": hooks,
             "_engine": engine,
-            "_update": leaf_update(optimizer),
+            "_apply": leaf_apply(optimizer),
             "_cache": ApplyCache(),
             "_notices": _Notices(),
         }
@@ -295,20 +295,18 @@ class Step:
     def _apply_update(
         self, state: TrainState, grads: list[torch.Tensor], skip: torch.Tensor | None
     ) -> tuple[TensorDict, TensorDict, torch.Tensor]:
-        """The optimizer's update from normalized ``grads`` (which it may overwrite) and
-        ``params + updates``; a ``skip`` that is True changes nothing. Returns the new params, the
-        new optimizer state and the learning rate it recorded."""
+        """The optimizer's update from normalized ``grads`` (which it may overwrite) applied to the
+        params (a fused optimizer's kernel writes them itself, as torch.optim's does; others give
+        updates and one multi-tensor add follows); a ``skip`` that is True changes nothing.
+        Returns the new params, the new optimizer state and the learning rate it recorded."""
         p, tdef = tree.flatten(state.params)
         s, sdef = tree.flatten(state.opt_state)
         inplace = self.donate and skip is None
-        u, new_s = self._update(grads, s, p, LeafContext(tdef, sdef, inplace, True))
-        if skip is not None:
-            u = [torch.where(skip, torch.zeros_like(x), x) for x in u]
+        new_p, new_s = self._apply(grads, s, p, LeafContext(tdef, sdef, inplace, True))
+        if skip is not None:  # the old params and state kept as a whole, by a tensor: no host sync
+            new_p = [torch.where(skip, o, n) for n, o in zip(new_p, p)]
             new_s = [torch.where(skip, o, n) for n, o in zip(new_s, s)]
-        if self.donate:  # params + updates, one multi-tensor kernel
-            foreach.add_(p, u)
-        else:
-            p = list(foreach.add(p, u))
+        p = new_p
         lr = _find_lr(new_s, sdef)
         if self.donate:  # most tensors are the input's own: keep the containers holding only them
             return tdef.rebuild(p, state.params), sdef.rebuild(new_s, state.opt_state), lr
