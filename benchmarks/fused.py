@@ -8,13 +8,13 @@ on GPT-2 124M's parameter shapes; and where an ftrain step's update phase spends
 Sides, each one AdamW update (lr 6e-4, betas 0.9/0.95, weight decay 0.1, decay on every tensor)
 of the same params and gradients:
 
-* **ftrain fused** / **ftrain foreach**: ``opt.update(grads, state, params, inplace=True)`` and
-  ``optim.apply_updates(params, updates, inplace=True)``: what a donated ``ft.train_step`` runs
-  after the gradients, with ``ft.optim.adamw(..., fused=None)`` (torch's fused kernel writing the
-  update into a fresh buffer) and ``fused=False`` (the foreach chain);
-* **ftrain fused, update_and_apply**: ``optim.update_and_apply(opt, grads, state, params,
-  inplace=True)``, the kernel writing the params as torch.optim's does (what a step whose update
-  phase called it would run);
+* **ftrain fused, update_and_apply** / **ftrain foreach**: ``optim.update_and_apply(opt, grads,
+  state, params, inplace=True)``, what a donated ``ft.train_step`` runs after the gradients, with
+  ``ft.optim.adamw(..., fused=None)`` (torch's fused kernel writing the params, as torch.optim's
+  does) and ``fused=False`` (the foreach chain, then ``params + updates``);
+* **ftrain fused**: ``opt.update(grads, state, params, inplace=True)`` then
+  ``optim.apply_updates(params, updates, inplace=True)``: the optax-style two calls, where the
+  kernel writes the update into a fresh params-sized buffer first;
 * **torch fused** / **torch foreach**: ``torch.optim.AdamW(..., fused=True | foreach=True).step()``
   with the gradients in ``.grad``.
 
