@@ -68,7 +68,9 @@ def adafactor():
 
 
 def muon():
-    return ft.optim.muon_adamw(0.02, weight_decay=0.1, mask=ft.optim.decay_mask)
+    # fused=False: sharded (DTensor) leaves always run AdamW's foreach chain, so every strategy,
+    # ddp included, compares the same kernels (torch's fused one rounds differently)
+    return ft.optim.muon_adamw(0.02, weight_decay=0.1, mask=ft.optim.decay_mask, fused=False)
 
 
 # on_owners' inputs: row-sharded tensors of mixed shapes and dtypes (rank 1 holds no row of the

@@ -11,7 +11,7 @@ from ftrain import tree
 from ftrain.optim.base import GradientTransformation, chain
 from ftrain.optim.checks import check_lr, check_range, checked
 from ftrain.optim.factorized import scale_by_factored_rms, scale_by_param_block_rms
-from ftrain.optim.fused import check_fused, fused_adam, fused_sgd
+from ftrain.optim.fused import adamw_transform, check_fused, fused_adam, fused_sgd
 from ftrain.optim.schedules import Schedule, as_schedule
 from ftrain.optim.transforms import (
     add_decayed_weights,
@@ -198,27 +198,7 @@ def adamw(
     check_range("adamw", "eps", eps, 0.0)
     check_range("adamw", "weight_decay", weight_decay, 0.0)
     check_fused("adamw", fused)
-    foreach_chain = chain(
-        scale_by_adam(b1, b2, eps),
-        add_decayed_weights(weight_decay, mask),
-        scale_by_learning_rate(learning_rate),
-    )
-    if fused is False:
-        return foreach_chain
-    return fused_adam(
-        foreach_chain,
-        fn="adamw",
-        fused=fused,
-        learning_rate=learning_rate,
-        b1=b1,
-        b2=b2,
-        eps=eps,
-        weight_decay=weight_decay,
-        mask=mask,
-        decoupled=True,
-        adam_key="0",
-        lr_key="2",
-    )
+    return adamw_transform(learning_rate, b1, b2, eps, weight_decay, mask, fused)
 
 
 @checked

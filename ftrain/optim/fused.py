@@ -53,6 +53,7 @@ from ftrain.optim import kernels
 from ftrain.optim.base import (
     GradientTransformation,
     LeafContext,
+    chain,
     leaf_apply,
     leaf_update,
     leafwise,
@@ -60,8 +61,9 @@ from ftrain.optim.base import (
 )
 from ftrain.optim.kernels import check_same_keys
 from ftrain.optim.schedules import as_schedule
+from ftrain.optim.transforms import add_decayed_weights, scale_by_adam, scale_by_learning_rate
 
-__all__ = ["fused_adam", "fused_sgd", "check_fused"]
+__all__ = ["adamw_transform", "fused_adam", "fused_sgd", "check_fused"]
 
 Leaves = list[torch.Tensor]
 
@@ -334,3 +336,33 @@ def fused_sgd(
         return out, new_s
 
     return _choosing("sgd", chain_t, fused, run, flags_of if weight_decay else None)
+
+
+def adamw_transform(
+    learning_rate, b1: float, b2: float, eps: float, weight_decay: float, mask, fused
+) -> GradientTransformation:
+    """``optim.adamw``'s transformation, its arguments already checked: the chain
+    ``scale_by_adam, add_decayed_weights, scale_by_learning_rate``, run by torch's fused kernel
+    unless ``fused is False``. Also ``optim.muon_adamw``'s AdamW part, so that part equals
+    ``optim.adamw`` on its params bit for bit."""
+    foreach_chain = chain(
+        scale_by_adam(b1, b2, eps),
+        add_decayed_weights(weight_decay, mask),
+        scale_by_learning_rate(learning_rate),
+    )
+    if fused is False:
+        return foreach_chain
+    return fused_adam(
+        foreach_chain,
+        fn="adamw",
+        fused=fused,
+        learning_rate=learning_rate,
+        b1=b1,
+        b2=b2,
+        eps=eps,
+        weight_decay=weight_decay,
+        mask=mask,
+        decoupled=True,
+        adam_key="0",
+        lr_key="2",
+    )

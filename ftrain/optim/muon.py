@@ -30,10 +30,11 @@ from tensordict import TensorDict, TensorDictBase
 from ftrain import foreach, tree
 from ftrain.optim.base import GradientTransformation, chain, empty_state, leafwise
 from ftrain.optim.checks import check_range, checked
+from ftrain.optim.fused import adamw_transform, check_fused
 from ftrain.optim.kernels import as_update, check_same_keys, mul
 from ftrain.optim.partition import partition
 from ftrain.optim.schedules import Schedule
-from ftrain.optim.transforms import add_decayed_weights, scale_by_adam, scale_by_learning_rate
+from ftrain.optim.transforms import add_decayed_weights, scale_by_learning_rate
 
 __all__ = [
     "NS_COEFFICIENTS",
@@ -337,6 +338,7 @@ def muon_adamw(
     mask=None,
     labels=None,
     adjust_lr_fn: str = "match_rms_adamw",
+    fused: bool | None = None,
 ) -> GradientTransformation:
     """Muon for the hidden matrices, AdamW for the embeddings, the output head, norms and biases.
 
@@ -351,10 +353,11 @@ def muon_adamw(
     default to ``"original"``): the orthogonalized updates then have about AdamW's size, so one
     learning rate serves both parts, and ``adamw_learning_rate=None`` means ``learning_rate``.
     With ``"original"``, Muon wants a learning rate near 0.02 and AdamW one near 3e-4: pass both.
+    ``fused`` is :func:`ftrain.optim.adamw`'s, for the AdamW part.
 
     **Invariant:** the hidden matrices get exactly :func:`muon`'s updates and state, the other
-    params exactly :func:`ftrain.optim.adamw`'s (each part sees only its own params): it is
-    ``partition({"muon": muon(...), "adamw": adamw(...)}, labels)``. The state is
+    params exactly :func:`ftrain.optim.adamw`'s with the same ``fused`` (each part sees only its
+    own params): it is ``partition({"muon": muon(...), "adamw": adamw(...)}, labels)``. The state is
     ``{"muon": muon's state, "adamw": adamw's}``; the step's ``metrics["lr"]`` is Muon's.
     """
     labels = muon_labels if labels is None else labels
@@ -368,10 +371,6 @@ def muon_adamw(
         adjust_lr_fn=adjust_lr_fn,
     )
     lr = learning_rate if adamw_learning_rate is None else adamw_learning_rate
-    # optim.adamw's chain, written out: alias.py imports this module for OPTIMIZERS
-    rest = chain(
-        scale_by_adam(b1, b2, eps),
-        add_decayed_weights(weight_decay, _within(mask)),
-        scale_by_learning_rate(lr),
-    )
+    check_fused("muon_adamw", fused)
+    rest = adamw_transform(lr, b1, b2, eps, weight_decay, _within(mask), fused)  # optim.adamw's
     return partition({"muon": hidden, "adamw": rest}, labels)
