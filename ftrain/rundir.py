@@ -121,8 +121,9 @@ def _line_step(line: str) -> int:
         return 0
 
 
-def plot_losses(records: list[dict[str, Any]], path: Path) -> None:
-    """A loss-curve PNG at ``path``: train loss per logged step, validation loss where measured."""
+def plot_losses(records: list[dict[str, Any]], path: Path, *, unit: str = "byte") -> None:
+    """A loss-curve PNG at ``path``: train loss per logged step, validation loss where measured,
+    in nats per ``unit`` (``"byte"`` for the byte-level GPT, ``"token"`` for a tokenizer's)."""
     # A Figure of its own, not pyplot: no process-wide backend or figure registry is touched.
     # Imported here: only the end of a run draws.
     from matplotlib.figure import Figure
@@ -136,7 +137,7 @@ def plot_losses(records: list[dict[str, Any]], path: Path) -> None:
     if valid:
         ax.plot(*zip(*valid), "o-", label="validation")
     ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats per byte)")
+    ax.set_ylabel(f"loss (nats per {unit})")
     ax.set_title("ftrain train")
     ax.grid(alpha=0.3)
     ax.legend()

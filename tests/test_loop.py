@@ -137,7 +137,8 @@ def test_resume_without_a_checkpoint_starts_from_step_0(tmp_path, tiny_run, caps
 def test_bias_flag_and_runs_saved_before_it(tmp_path, tiny_run, capsys):
     """--bias gives the Linears and LayerNorms biases (off by default). A checkpoint written before
     the flag existed (no `bias` in its saved config) was trained with biases: `sample` rebuilds
-    that model, and --resume without --bias is refused as a changed model, naming the fix."""
+    that model, --resume continues it with biases, and --resume --no-bias is refused as a
+    changed model, naming the flag."""
     off, on, old = tmp_path / "off", tmp_path / "on", tmp_path / "old"
     common = [*tiny_run, "--max-steps", "1"]
     assert main(["train", *common, "--out", str(off)]) == 0
@@ -152,11 +153,10 @@ def test_bias_flag_and_runs_saved_before_it(tmp_path, tiny_run, capsys):
     capsys.readouterr()
     assert main(["sample", "--run", str(old), "--prompt", "def ", "--max-new-tokens", "5"]) == 0
     with pytest.raises(SystemExit) as e:
-        main(["train", *common, "--max-steps", "2", "--out", str(old), "--resume"])
+        main(["train", *common, "--max-steps", "2", "--out", str(old), "--resume", "--no-bias"])
     assert e.value.code == 2 and "--bias True -> False" in capsys.readouterr().err
-    assert (
-        main(["train", *common, "--max-steps", "2", "--out", str(old), "--resume", "--bias"]) == 0
-    )
+    assert main(["train", *common, "--max-steps", "2", "--out", str(old), "--resume"]) == 0
+    assert "params.blocks.0.attn.qkv.bias" in _flat(old).keys()
 
 
 def _spawn(args, tmp_path):
