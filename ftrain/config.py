@@ -13,6 +13,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from ftrain.run_settings import RESOLVED_HERE, flag_name, rehome, resumed_values
 from ftrain.settings_file import read_settings
 
 __all__ = [
@@ -334,12 +335,6 @@ def _model_type(model_dir: str) -> str | None:
         return None
 
 
-def flag_name(name: str) -> str:
-    """The command-line flag of a :class:`TrainConfig` field, without its dashes:
-    ``flag_name("d_model") == "d-model"`` (``--d-model``)."""
-    return name.replace("_", "-")
-
-
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 _HINTS = typing.get_type_hints(TrainConfig)
 
@@ -390,31 +385,9 @@ def load_toml(path: str | Path) -> dict[str, Any]:
     return load_settings(path)
 
 
-# Where the run trains is the resuming machine's choice: a run recorded on a GPU resumes (or is
-# configured again) on a CPU-only machine and the other way round (ftrain.resume).
-RESOLVED_HERE = ("device", "precision", "tf32")
-
-
-def rehome(saved: dict[str, Any]) -> dict[str, Any]:
-    """A run's recorded settings for this machine: a GPU ``device`` (``cuda:N``, resolved where
-    the run started) becomes ``auto`` (this machine's GPU, or its LOCAL_RANK's, or the CPU when
-    it has none), ``cpu`` stays; ``precision`` stays where the device kind does, else ``auto``
-    (fp32 on the CPU), except ``fp16``, whose loss scale is part of the state. The rest as
-    recorded."""
-    device = saved.get("device")
-    if not isinstance(device, str) or not device.startswith("cuda"):
-        return saved
-    from ftrain.recipes.placement import resolve_device
-
-    out = {**saved, "device": "auto"}
-    if resolve_device("auto").type != "cuda" and out.get("precision") != "fp16":
-        out.pop("precision", None)  # auto: fp32 on the CPU
-    return out
-
-
 def from_args(ns: argparse.Namespace) -> TrainConfig:
     """The settings of ``ftrain train``: defaults, then with ``--resume`` the run's saved ones
-    (``ftrain.resume.resumed_values``: the model, data, LoRA and packing cannot change), then
+    (``ftrain.run_settings.resumed_values``: the model, data, LoRA and packing cannot change), then
     the ``--config`` file, then the flags given (argparse leaves the others unset); validated.
 
     Raises ``ValueError`` (one line, naming the flag and the fix) for a bad setting, a
@@ -425,9 +398,7 @@ def from_args(ns: argparse.Namespace) -> TrainConfig:
     top = {**(load_settings(given["config"]) if given.get("config") else {}), **given}
     values = top
     if top.get("resume") and top.get("out"):
-        from ftrain.resume import resumed_values
-
-        values = resumed_values(top["out"], top)
+        values = resumed_values(top["out"], top, _FIELDS)
     cfg = TrainConfig(**values)
     cfg.validate()
     # the steps the schedule plans for: --decay-steps when a run is to stop early and resume

@@ -14,17 +14,15 @@ loaded and names the flag that fixes it.
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import ftrain as ft
 from ftrain import rundir
-from ftrain.config import RESOLVED_HERE, TrainConfig, flag_name, rehome
+from ftrain.config import TrainConfig
 from ftrain.recipes import gpt
+from ftrain.run_settings import RESOLVED_HERE, RESUME_FIXED, flag_name, resumed_values, run_settings
 
 __all__ = [
     "RESOLVED_HERE",
@@ -97,103 +95,7 @@ def check_global_batch(cfg: TrainConfig, saved: dict, meta: dict, world: int) ->
         )
 
 
-# Settings that fix the model, the data or the random stream: a run cannot continue exactly
-# with another value. The others (lr, max_steps, logging, ...) may change on --resume.
-RESUME_FIXED = ("seed", "seq_len", "d_model", "n_layer", "n_head", "bias", "n_experts", "top_k",
-                "batch_size", "data_dir", "model_dir", "data", "pack", "lora_rank", "lora_alpha",
-                "lora_targets", "chat_roles", "chat_template")  # fmt: skip
 _NOT_COMPARED = ("out", "resume", "config", "progress")
-_PATHS = ("data", "data_dir", "model_dir")  # compared as the folders they name
-# How the processes of one launch share the work: any layout continues any other, so a resumed
-# run on another number of processes takes these from its flags (the global batch is kept).
-_LAYOUT = ("shard", "tp", "sequence_parallel")
-# RESOLVED_HERE (ftrain.config): where the run trains is the resuming machine's choice, so a
-# checkpoint written on a GPU resumes on a CPU-only machine and the other way round; a recorded
-# GPU is resolved there again (config.rehome), and a change is only noted.
-
-
-def run_settings(out: str | Path) -> tuple[dict[str, Any], Path, int | None] | None:
-    """The settings the run in ``out`` saved, where they were read and on how many processes
-    it ran: its newest checkpoint's (the state ``--resume`` continues; one that cannot be read
-    is passed over), else its ``config.json`` (a run stopped before its first checkpoint; the
-    number of processes unknown: None); None when it has neither.
-
-    Settings this ftrain does not know (a newer version's) are dropped, and so are ``out``,
-    ``resume`` and ``config`` (not settings of the run); a recorded GPU is re-resolved here
-    (``config.rehome``)."""
-    saved, where, world = None, None, None
-    for path in reversed(ft.list_checkpoints(out)):
-        try:
-            meta = ft.load_meta(path)
-            saved, where, world = rundir.saved_config(meta), path, meta["extra"].get("world_size")
-        except (ft.CheckpointError, OSError, ValueError, KeyError):
-            continue
-        if saved:
-            break
-    if not saved and (Path(out) / "config.json").is_file():
-        where = Path(out) / "config.json"
-        try:
-            saved = json.loads(where.read_text())
-        except (OSError, ValueError) as e:
-            raise ValueError(f"--resume: cannot read {where}: {e}") from None
-    if not saved:
-        return None
-    known = {f.name for f in dataclasses.fields(TrainConfig)} - {"out", "resume", "config"}
-    return rehome({k: v for k, v in saved.items() if k in known}), where, world
-
-
-def resumed_values(out: str | Path, given: dict[str, Any]) -> dict[str, Any]:
-    """The settings of ``--resume`` in ``out``: the run's saved ones (:func:`run_settings`) with
-    ``given`` (the flags typed and the ``--config`` file's keys) over them. Raising or lowering
-    ``--max-steps`` keeps the learning-rate schedule's length (``decay_steps`` = the run's
-    ``max_steps``) unless ``--decay-steps`` is given. ``given`` alone when ``out`` holds no run.
-
-    **Invariant:** the result differs from the saved settings only in keys of ``given`` (and
-    ``decay_steps`` as said); a setting of :data:`RESUME_FIXED` given with another value is a
-    ``ValueError`` naming each (saved -> new), raised before any data is built."""
-    found = run_settings(out)
-    if found is None:  # nothing saved: the loop starts from step 0 and says so
-        return given
-    saved, where, world = found
-    if world != int(os.environ.get("WORLD_SIZE", "1")):  # another launch: its own layout
-        saved = _relaid(saved, world, given)
-    fixed = [
-        f"--{flag_name(k)} {saved[k]!r} -> {v!r}"
-        for k, v in given.items()
-        if k in RESUME_FIXED and k in saved and not _same(k, saved[k], v)
-    ]
-    if fixed:
-        raise ValueError(
-            f"--resume: these settings differ from the run's ({where}) and would not continue "
-            f"the same run: {', '.join(fixed)} (saved -> new); drop them (--resume takes the "
-            "run's own), or train into another --out for a new run"
-        )
-    values = {**saved, **given}
-    steps_changed = "max_steps" in given and given["max_steps"] != saved.get("max_steps")
-    shaped = values.get("lr_schedule") != "constant" and values.get("optimizer") not in (
-        gpt.SCHEDULE_FREE
-    )
-    if steps_changed and shaped and "decay_steps" not in given and saved.get("decay_steps") is None:
-        values["decay_steps"] = saved.get("max_steps")  # the schedule keeps its length
-    return values
-
-
-def _relaid(saved: dict[str, Any], world: int | None, given: dict[str, Any]) -> dict[str, Any]:
-    """``saved`` for a launch of another number of processes than the run's (``world``; None:
-    unknown): the layout (:data:`_LAYOUT`) as the flags say, and the global batch kept
-    (``global_batch_size``, from which the loop sets the micro-batches for this launch)."""
-    out = {k: v for k, v in saved.items() if k not in _LAYOUT}
-    if world and "micro_batches" not in given and out.get("global_batch_size") is None:
-        data_parallel = world // saved.get("tp", 1)
-        rows = saved.get("batch_size", 1) * saved.get("micro_batches", 1) * data_parallel
-        out["global_batch_size"] = rows
-    return out
-
-
-def _same(key: str, a: Any, b: Any) -> bool:
-    if key in _PATHS and a is not None and b is not None:
-        return Path(a).resolve() == Path(b).resolve()
-    return a == b
 
 
 def check_resumed_config(cfg: TrainConfig, saved: dict[str, Any], main: bool) -> None:

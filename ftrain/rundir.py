@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ftrain.config import TrainConfig
+from ftrain.run_settings import saved_config  # re-exported: loop, resume and recipes read it here
 
 __all__ = [
     "MetricsLog",
@@ -65,18 +66,6 @@ def prepare_out(cfg: TrainConfig) -> Path:
 def write_config(out: Path, cfg: TrainConfig) -> None:
     """``out/config.json``: every setting of ``cfg`` (``TrainConfig.to_dict``), indented."""
     (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-
-
-# Settings added after checkpoints were first written, with the value those runs had.
-_BEFORE_ADDED = {"bias": True}
-
-
-def saved_config(meta: dict[str, Any]) -> dict[str, Any]:
-    """The run settings saved in a checkpoint's ``meta`` (``ft.load_meta``), ``{}`` if none; a
-    setting that did not exist when it was written gets the value runs had then (``bias``: True),
-    not today's default."""
-    saved = meta["extra"].get("config", {})
-    return {**_BEFORE_ADDED, **saved} if saved else {}
 
 
 class MetricsLog:
