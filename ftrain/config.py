@@ -391,7 +391,7 @@ def from_args(ns: argparse.Namespace) -> TrainConfig:
     the ``--config`` file, then the flags given (argparse leaves the others unset); validated.
 
     Raises ``ValueError`` (one line, naming the flag and the fix) for a bad setting, a
-    ``--warmup`` given that covers every step, or a fixed setting changed on ``--resume``:
+    ``--warmup`` flag that covers every step, or a fixed setting changed on ``--resume``:
     all before any data or model is built.
     """
     given = {k: v for k, v in vars(ns).items() if k in _FIELDS}
@@ -405,7 +405,7 @@ def from_args(ns: argparse.Namespace) -> TrainConfig:
     steps, flag = (
         (cfg.decay_steps, "decay-steps") if cfg.decay_steps else (cfg.max_steps, "max-steps")
     )
-    if "warmup" in top and cfg.warmup and cfg.warmup >= steps:
+    if "warmup" in given and cfg.warmup and cfg.warmup >= steps:  # typed (a file's: recorded)
         raise ValueError(
             f"--warmup {cfg.warmup} >= --{flag} {steps}: the whole run would be warmup (the "
             f"learning rate never reaches --lr {cfg.lr:g}); pass a --warmup below --{flag} "

@@ -18,6 +18,8 @@ from ftrain.cli import main, parser
         (["--d-model", "30", "--n-head", "4"], "must be divisible by --n-head"),
         (["--optimizer", "adamm"], "--optimizer must be one of"),
         (["--max-steps", "0"], "--max-steps must be >= 1"),
+        (["--warmup", "50", "--max-steps", "30"], "--warmup 50 >= --max-steps 30: the whole run"),
+        (["--warmup", "9", "--decay-steps", "9"], "--warmup 9 >= --decay-steps 9"),
         (["--frobnicate"], "unrecognized arguments"),
         (["--data", "no/such.jsonl"], "--data 'no/such.jsonl' does not exist; pass a text file"),
         (["--model-dir", "no/such"], "--model-dir 'no/such' is not a directory; pass the folder"),
