@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import typing
 from pathlib import Path
 from typing import Any
@@ -221,8 +222,11 @@ class TrainConfig:
             raise ValueError(f"--dropout must be in [0, 1), got {self.dropout}")
         if self.lora_rank < 0 or self.lora_alpha <= 0:
             raise ValueError("--lora-rank must be >= 0 (0 = off) and --lora-alpha > 0")
-        if self.lr <= 0:
-            raise ValueError(f"--lr must be > 0, got {self.lr}")
+        if not 0 < self.lr < math.inf:
+            raise ValueError(f"--lr must be a finite number > 0, got {self.lr}")
+        for name, value in self.to_dict().items():  # beyond int64 (a step counter) or not finite
+            if isinstance(value, int | float) and not abs(value) < 2**62:
+                raise ValueError(f"--{flag_name(name)} {value} is out of range")
         if self.weight_decay < 0 or self.clip_grad < 0:
             raise ValueError("--weight-decay and --clip-grad must be >= 0")
         if self.global_batch_size is not None and self.global_batch_size < 1:
@@ -397,8 +401,10 @@ def from_args(ns: argparse.Namespace) -> TrainConfig:
     given = {k: v for k, v in vars(ns).items() if k in _FIELDS}
     top = {**(load_settings(given["config"]) if given.get("config") else {}), **given}
     values = top
-    if top.get("resume") and top.get("out"):
-        values = resumed_values(top["out"], top, _FIELDS)
+    if top.get("resume") and not top.get("out"):
+        raise ValueError("--resume continues the run in --out: pass --out RUN, its folder")
+    if top.get("resume"):
+        values = resumed_values(top["out"], top, _HINTS)
     cfg = TrainConfig(**values)
     cfg.validate()
     # the steps the schedule plans for: --decay-steps when a run is to stop early and resume

@@ -18,11 +18,12 @@ from __future__ import annotations
 import inspect
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from ftrain.io import CheckpointError, list_checkpoints, load_meta
+from ftrain.settings_file import check_settings
 
 __all__ = [
     "RESOLVED_HERE",
@@ -83,15 +84,16 @@ def rehome(saved: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_settings(
-    out: str | Path, known: Iterable[str]
+    out: str | Path, hints: Mapping[str, Any]
 ) -> tuple[dict[str, Any], Path, int | None] | None:
     """The settings the run in ``out`` saved, where they were read and on how many processes
     it ran: its newest checkpoint's (the state ``--resume`` continues; one that cannot be read
     is passed over), else its ``config.json`` (a run stopped before its first checkpoint; the
     number of processes unknown: None); None when it has neither.
 
-    Settings not in ``known`` (a newer version's) are dropped, and so are ``out``, ``resume``
-    and ``config`` (not settings of the run); a recorded GPU is re-resolved here
+    Settings not in ``hints`` (the known ones and their types) are dropped (a newer version's),
+    and so are ``out``, ``resume`` and ``config`` (not settings of the run); a value of the
+    wrong type is a ``ValueError`` naming the file; a recorded GPU is re-resolved here
     (:func:`rehome`)."""
     saved, where, world = None, None, None
     for path in reversed(list_checkpoints(out)):
@@ -110,11 +112,16 @@ def run_settings(
             raise ValueError(f"--resume: cannot read {where}: {e}") from None
     if not saved:
         return None
-    keep = set(known) - {"out", "resume", "config"}
-    return rehome({k: v for k, v in saved.items() if k in keep}), where, world
+    keep = set(hints) - {"out", "resume", "config"}
+    saved = check_settings(
+        {k: v for k, v in saved.items() if k in keep}, hints, f"--resume {where}"
+    )
+    return rehome(saved), where, world
 
 
-def resumed_values(out: str | Path, given: dict[str, Any], known: Iterable[str]) -> dict[str, Any]:
+def resumed_values(
+    out: str | Path, given: dict[str, Any], hints: Mapping[str, Any]
+) -> dict[str, Any]:
     """The settings of ``--resume`` in ``out``: the run's saved ones (:func:`run_settings`) with
     ``given`` (the flags typed and the ``--config`` file's keys) over them. Raising or lowering
     ``--max-steps`` keeps the learning-rate schedule's length (``decay_steps`` = the run's
@@ -123,7 +130,7 @@ def resumed_values(out: str | Path, given: dict[str, Any], known: Iterable[str])
     **Invariant:** the result differs from the saved settings only in keys of ``given`` (and
     ``decay_steps`` as said); a setting of :data:`RESUME_FIXED` given with another value is a
     ``ValueError`` naming each (saved -> new), raised before any data is built."""
-    found = run_settings(out, known)
+    found = run_settings(out, hints)
     if found is None:  # nothing saved: the loop starts from step 0 and says so
         return given
     saved, where, world = found

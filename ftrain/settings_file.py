@@ -21,7 +21,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["read_settings"]
+__all__ = ["check_settings", "read_settings"]
 
 
 def read_settings(
@@ -51,21 +51,27 @@ def read_settings(
     if not isinstance(raw, dict):
         raise ValueError(f"--config {path}: a {kind} table of settings expected, got {raw!r:.40}")
     skip = set(skip) if is_json else set()
-    out = {}
-    for key, value in raw.items():
-        name = key.replace("-", "_")
-        if name in skip:
-            continue
-        if name not in hints:
-            raise ValueError(
-                f"--config {path}: unknown setting {key!r} (from another ftrain version, or a "
-                f"typo?); known: {', '.join(sorted(hints))}"
-            )
-        out[name] = _check_type(path, key, value, hints[name])
+    raw = {k: v for k, v in raw.items() if k.replace("-", "_") not in skip}
+    out = check_settings(raw, hints, f"--config {path}")
     return out, is_json
 
 
-def _check_type(path, key: str, value: Any, hint) -> Any:
+def check_settings(raw: Mapping[str, Any], hints: Mapping[str, Any], source: str) -> dict:
+    """``raw``'s settings (dashes in keys read as underscores), each checked against ``hints``
+    as :func:`read_settings` checks a file's; errors start with ``source:``."""
+    out = {}
+    for key, value in raw.items():
+        name = key.replace("-", "_")
+        if name not in hints:
+            raise ValueError(
+                f"{source}: unknown setting {key!r} (from another ftrain version, or a typo?); "
+                f"known: {', '.join(sorted(hints))}"
+            )
+        out[name] = _check_type(source, key, value, hints[name])
+    return out
+
+
+def _check_type(source, key: str, value: Any, hint) -> Any:
     """``value`` if it fits the type ``hint`` (``int``, or ``int | None``), else a ValueError
     naming the key, the value and the type expected."""
     options = [a for a in typing.get_args(hint) if a is not type(None)]
@@ -80,7 +86,7 @@ def _check_type(path, key: str, value: Any, hint) -> Any:
     if typ is bool:
         how = " (true or false, unquoted)"
     raise ValueError(
-        f"--config {path}: {key} must be {_a(typ.__name__)}{how}, got {key} = {value!r} "
+        f"{source}: {key} must be {_a(typ.__name__)}{how}, got {key} = {value!r} "
         f"({_a(type(value).__name__)})"
     )
 

@@ -169,3 +169,28 @@ def test_every_config_file_problem_is_one_usage_line(tmp_path, name, text, messa
     line = next(x for x in err.splitlines() if x.startswith("ftrain train: error:"))
     assert line.startswith(f"ftrain train: error: --config {path}: ")
     assert message.format(path=path) in line
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--max-steps", "99999999999999999999"], "--max-steps 99999999999999999999 is out of"),
+        (["--lr", "inf"], "--lr must be a finite number > 0, got inf"),
+        (["--dropout", "nan"], "--dropout must be in [0, 1), got nan"),
+        (["--resume"], "--resume continues the run in --out: pass --out RUN"),
+    ],
+)
+def test_values_that_would_fail_mid_run_are_usage_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["train", *argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err and "Traceback" not in err
+
+
+def test_a_runs_saved_setting_of_the_wrong_type_is_one_usage_line(tmp_path, capsys):
+    (tmp_path / "config.json").write_text('{"lr": "fast", "d_model": 32}')
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--out", str(tmp_path), "--resume"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err
+    assert f"error: --resume {tmp_path / 'config.json'}: lr must be a float" in err
