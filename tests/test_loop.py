@@ -82,8 +82,9 @@ def test_train_leaves_its_config_unchanged(tmp_path, tiny_run, monkeypatch):
     assert summary["step"] == 1 and summary["count"] == 12 * 32  # 3 micro-batches of 4 rows
     assert json.loads((tmp_path / "run" / "config.json").read_text())["micro_batches"] == 3
     saved = ft.load_meta(ft.latest_checkpoint(tmp_path / "run"))["extra"]["config"]
-    # ... and the device and precision that auto resolved to here (cpu and fp32 on a CPU)
-    assert saved == {**placement.resolve(before).to_dict(), "micro_batches": 3}
+    # ... and the device, precision and matmul kernel that auto resolved to here (cpu, fp32 on a
+    # CPU; a model this small: torch, untimed)
+    assert saved == {**placement.resolve(before).to_dict(), "micro_batches": 3, "matmul": "torch"}
     assert (saved["device"], before.device) == (str(placement.resolve_device("auto")), "auto")
     # Under torchrun (WORLD_SIZE > 1) without --shard the run resolves to ddp; here torchrun's
     # other variables are missing, so it stops at joining the process group, with cfg unchanged.
