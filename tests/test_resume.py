@@ -233,3 +233,27 @@ def test_the_run_records_the_matmul_kernel_and_a_resume_reuses_it_untimed(
     assert gpt.resolve_matmul(dataclasses.replace(cfg, matmul="auto", model_dir="m")).matmul == (
         "torch"
     )  # a --model-dir model's linears are its own
+
+
+def _kernel_each_rank_builds(cfg):
+    """Train ``cfg`` with rank 0's timing answering onednn and rank 1's torch; returns the
+    matmul each rank built its model with."""
+    import torch.distributed as dist
+
+    import ftrain.recipes.gpt
+
+    rank = dist.get_rank()
+    ftrain.recipes.gpt.choose_matmul = lambda config, rows: ("onednn", "torch")[rank]
+    built, build_model = [], ftrain.recipes.gpt.build_model
+    ftrain.recipes.gpt.build_model = lambda cfg: built.append(cfg.matmul) or build_model(cfg)
+    train(cfg)
+    return built
+
+
+def test_every_rank_builds_with_rank_0s_matmul_kernel(tmp_path, tiny_run):
+    """Under torchrun rank 0 resolves --matmul auto and every process builds with its answer,
+    even where its own timing would differ (the kernels agree only to float32 rounding)."""
+    cfg = _config([*tiny_run, "--max-steps", "1", "--out", str(tmp_path / "run")])
+    built = ft.distributed.run_distributed(_kernel_each_rank_builds, 2, cfg)
+    assert built == [["onednn"], ["onednn"]]
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["matmul"] == "onednn"
