@@ -127,8 +127,9 @@ def resumed_values(
     ``--max-steps`` keeps the learning-rate schedule's length (``decay_steps`` = the run's
     ``max_steps``) unless ``--decay-steps`` is given. ``given`` alone when ``out`` holds no run.
 
-    **Invariant:** the result differs from the saved settings only in keys of ``given`` (and
-    ``decay_steps`` as said); a setting of :data:`RESUME_FIXED` given with another value is a
+    **Invariant:** the result differs from the saved settings only in keys of ``given``, in
+    ``decay_steps`` as said, and on another number of processes than the run's in its layout
+    (``--shard``, ``--tp`` as flagged) with its global batch kept; a setting of :data:`RESUME_FIXED` given with another value is a
     ``ValueError`` naming each (saved -> new), raised before any data is built."""
     found = run_settings(out, hints)
     if found is None:  # nothing saved: the loop starts from step 0 and says so
