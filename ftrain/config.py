@@ -9,23 +9,31 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
+import math
 import typing
 from pathlib import Path
 from typing import Any
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
+from ftrain.run_settings import RESOLVED_HERE, flag_name, rehome, resumed_values
+from ftrain.settings_file import read_settings
 
-__all__ = ["TrainConfig", "add_arguments", "flag_name", "from_args", "load_toml"]
+__all__ = [
+    "RESOLVED_HERE",
+    "TrainConfig",
+    "add_arguments",
+    "flag_name",
+    "from_args",
+    "load_settings",
+    "load_toml",
+    "rehome",
+]
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 CHECKPOINT_POLICIES = ("none", "blocks", "selective")
 SCHEDULES = ("cosine", "constant", "linear", "wsd", "inverse_sqrt")
 SHARD_STRATEGIES = ("none", "ddp", "zero1", "zero2", "fsdp")
 SINK_NAMES = ("jsonl", "tensorboard")  # ftrain.sinks.SINKS
+MATMULS = ("auto", "onednn", "torch")  # ftrain.models.MATMULS and "auto"
 
 
 def _f(default, help: str, **kw):
@@ -40,11 +48,15 @@ class TrainConfig:
     # -- run ------------------------------------------------------------------------------------
     out: str | None = _f(None, "run directory (default: runs/<date-time>)", metavar="DIR")
     resume: bool = _f(False, "continue from the newest valid checkpoint in --out")
-    config: str | None = _f(None, "TOML file with these settings (flags override it)")
+    config: str | None = _f(
+        None,
+        "TOML or JSON file with these settings, e.g. a run's config.json (flags override it)",
+        metavar="FILE",
+    )
     seed: int = _f(0, "seed for init, data order and dropout")
     max_steps: int = _f(600, "optimizer steps to train for")
     # -- model ----------------------------------------------------------------------------------
-    seq_len: int = _f(128, "context length in bytes")
+    seq_len: int = _f(128, "context length in tokens (bytes for the built-in byte-level GPT)")
     d_model: int = _f(128, "width of the residual stream")
     n_layer: int = _f(4, "transformer blocks")
     # 2 heads of 64 channels and no biases: as good a model as 4 heads of 32 with biases, and a
@@ -142,7 +154,9 @@ class TrainConfig:
     eval_batches: int = _f(8, "validation batches per evaluation")
     save_every: int = _f(200, "steps between checkpoints (0 = only at the end)")
     keep: int = _f(3, "checkpoints to keep")
-    sample_tokens: int = _f(200, "bytes to generate at the end (0 = none)")
+    sample_tokens: int = _f(
+        200, "tokens to generate at the end (bytes for the built-in byte-level GPT; 0 = none)"
+    )
     progress: bool = _f(True, "show a progress bar")
     # -- fine-tuning: chat data and the --model-dir model (ftrain.data.chat, ftrain.models.hf) ---
     chat_roles: str | None = _f(
@@ -162,6 +176,15 @@ class TrainConfig:
         "attention kernel of a --model-dir model: sdpa, eager or flash_attention_2 (where "
         "installed) (default: transformers' choice)",
         metavar="NAME",
+    )
+
+    # -- kernels: recorded resolved in config.json and every checkpoint, reused on --resume ------
+    matmul: str = _f(
+        "auto",
+        "the built-in GPT's linear kernel: auto (the faster of the two on this CPU for this "
+        "model's shapes, timed once; torch on a GPU), onednn or torch; the two agree only to "
+        "float32 rounding, so a resumed run keeps the one it recorded",
+        choices=MATMULS,
     )
 
     def validate(self) -> None:
@@ -199,8 +222,11 @@ class TrainConfig:
             raise ValueError(f"--dropout must be in [0, 1), got {self.dropout}")
         if self.lora_rank < 0 or self.lora_alpha <= 0:
             raise ValueError("--lora-rank must be >= 0 (0 = off) and --lora-alpha > 0")
-        if self.lr <= 0:
-            raise ValueError(f"--lr must be > 0, got {self.lr}")
+        if not 0 < self.lr < math.inf:
+            raise ValueError(f"--lr must be a finite number > 0, got {self.lr}")
+        for name, value in self.to_dict().items():  # beyond int64 (a step counter) or not finite
+            if isinstance(value, int | float) and not abs(value) < 2**62:
+                raise ValueError(f"--{flag_name(name)} {value} is out of range")
         if self.weight_decay < 0 or self.clip_grad < 0:
             raise ValueError("--weight-decay and --clip-grad must be >= 0")
         if self.global_batch_size is not None and self.global_batch_size < 1:
@@ -213,6 +239,7 @@ class TrainConfig:
             ("lr_schedule", SCHEDULES),
             ("shard", SHARD_STRATEGIES),
             ("log", SINK_NAMES),
+            ("matmul", MATMULS),
         ):
             if getattr(self, name) not in legal:
                 raise ValueError(
@@ -312,12 +339,6 @@ def _model_type(model_dir: str) -> str | None:
         return None
 
 
-def flag_name(name: str) -> str:
-    """The command-line flag of a :class:`TrainConfig` field, without its dashes:
-    ``flag_name("d_model") == "d-model"`` (``--d-model``)."""
-    return name.replace("_", "-")
-
-
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 _HINTS = typing.get_type_hints(TrainConfig)
 
@@ -347,57 +368,53 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(f"--{flag_name(f.name)}", **kw)
 
 
-def load_toml(path: str | Path) -> dict[str, Any]:
-    """The settings in a TOML file (flat keys, as the fields are named; dashes allowed).
+def load_settings(path: str | Path) -> dict[str, Any]:
+    """The settings in a config file: TOML, or JSON (by the ``.json`` suffix or a ``{`` first),
+    such as a run's ``config.json``. Flat keys, as the fields are named (dashes allowed).
 
-    Unknown keys are an error that lists the known ones.
+    **Invariant:** every problem (no such file, a file that does not parse, an unknown key, a
+    value of the wrong type) is one ``ValueError`` line that starts with ``--config PATH:``
+    (``ftrain.settings_file.read_settings``). In a JSON file ``null`` is an unset optional
+    setting and a run's record of the file it was given (``config``) is skipped; a run's
+    resolved ``device`` and ``precision`` are re-resolved here (:func:`rehome`), so a GPU run's
+    config.json also configures a CPU run.
     """
-    try:
-        with open(path, "rb") as fh:
-            raw = tomllib.load(fh)
-    except FileNotFoundError:
-        raise ValueError(f"--config {path}: no such file") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"--config {path}: not valid TOML: {e}") from None
-    out = {}
-    for key, value in raw.items():
-        name = key.replace("-", "_")
-        if name not in _FIELDS or name == "config":
-            raise ValueError(
-                f"--config {path}: unknown setting {key!r}; known: "
-                f"{', '.join(sorted(n for n in _FIELDS if n != 'config'))}"
-            )
-        out[name] = _check_type(path, key, value, _base_type(_HINTS[name]))
-    return out
+    fields = {name: hint for name, hint in _HINTS.items() if name != "config"}
+    raw, is_json = read_settings(path, fields, skip=("config",))
+    return rehome(raw) if is_json else raw
 
 
-def _check_type(path, key: str, value: Any, typ: type) -> Any:
-    """``value`` if a TOML value fits the field's type (an int is also a float; a bool is only a
-    bool, never an int), else a ValueError naming the key, the value and the type expected."""
-    if typ is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(value, typ) and (typ is bool or not isinstance(value, bool)):
-        return value
-    hint = ' (a TOML string is "quoted")' if typ is str else ""
-    if typ is bool:
-        hint = " (true or false, unquoted)"
-    raise ValueError(
-        f"--config {path}: {key} must be {_a(typ.__name__)}{hint}, got {key} = {value!r} "
-        f"({_a(type(value).__name__)})"
-    )
-
-
-def _a(noun: str) -> str:
-    return f"{'an' if noun[0] in 'aeiou' else 'a'} {noun}"
+def load_toml(path: str | Path) -> dict[str, Any]:
+    """:func:`load_settings` (kept for its old name; it reads JSON too)."""
+    return load_settings(path)
 
 
 def from_args(ns: argparse.Namespace) -> TrainConfig:
-    """Defaults, then the ``--config`` file, then the flags given; validated."""
-    given = vars(ns)
-    values: dict[str, Any] = {}
-    if given.get("config"):
-        values.update(load_toml(given["config"]))
-    values.update({k: v for k, v in given.items() if k in _FIELDS})
+    """The settings of ``ftrain train``: defaults, then with ``--resume`` the run's saved ones
+    (``ftrain.run_settings.resumed_values``: the model, data, LoRA and packing cannot change), then
+    the ``--config`` file, then the flags given (argparse leaves the others unset); validated.
+
+    Raises ``ValueError`` (one line, naming the flag and the fix) for a bad setting, a
+    ``--warmup`` flag that covers every step, or a fixed setting changed on ``--resume``:
+    all before any data or model is built.
+    """
+    given = {k: v for k, v in vars(ns).items() if k in _FIELDS}
+    top = {**(load_settings(given["config"]) if given.get("config") else {}), **given}
+    values = top
+    if top.get("resume") and not top.get("out"):
+        raise ValueError("--resume continues the run in --out: pass --out RUN, its folder")
+    if top.get("resume"):
+        values = resumed_values(top["out"], top, _HINTS)
     cfg = TrainConfig(**values)
     cfg.validate()
+    # the steps the schedule plans for: --decay-steps when a run is to stop early and resume
+    steps, flag = (
+        (cfg.decay_steps, "decay-steps") if cfg.decay_steps else (cfg.max_steps, "max-steps")
+    )
+    if "warmup" in given and cfg.warmup and cfg.warmup >= steps:  # typed (a file's: recorded)
+        raise ValueError(
+            f"--warmup {cfg.warmup} >= --{flag} {steps}: the whole run would be warmup (the "
+            f"learning rate never reaches --lr {cfg.lr:g}); pass a --warmup below --{flag} "
+            f"(e.g. --warmup {steps // 10}) or a larger --{flag}"
+        )
     return cfg

@@ -127,7 +127,9 @@ def _launch(cfg: TrainConfig) -> tuple[TrainConfig, int, int]:
     ``--shard``, ``shard="ddp"`` (plain data parallelism); with ``--global-batch-size``,
     ``micro_batches = global_batch_size / (batch_size x world / tp)``; ``device`` and
     ``precision`` resolved (``placement.resolve``: under torchrun, ``auto`` and ``cuda`` are this
-    process's ``LOCAL_RANK`` GPU), and the process group on NCCL for a GPU, gloo for the CPU.
+    process's ``LOCAL_RANK`` GPU), and the process group on NCCL for a GPU, gloo for the CPU;
+    ``matmul`` resolved on rank 0 (``gpt.resolve_matmul``) and the same on every process (a
+    resumed run's is the one it recorded, not timed again).
     """
     if cfg.shard == "none" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         cfg = dataclasses.replace(cfg, shard="ddp")
@@ -160,7 +162,9 @@ def _launch(cfg: TrainConfig) -> tuple[TrainConfig, int, int]:
                 f"= {per_step}"
             )
         cfg = dataclasses.replace(cfg, micro_batches=cfg.global_batch_size // per_step)
-    return cfg, rank, world
+    # the matmul kernel: rank 0 times "auto" (on the CPU) and every process builds with its answer
+    kernel = _from_rank0(gpt.resolve_matmul(cfg).matmul if rank == 0 else None, world)
+    return dataclasses.replace(cfg, matmul=kernel), rank, world
 
 
 # -- resume -------------------------------------------------------------------------------------
@@ -359,10 +363,21 @@ def _finish(run: _Run, state: ft.TrainState, report: _Report, interrupted: bool)
     if interrupted:
         print(
             f"\nftrain train: interrupted at step {int(state.step)}; checkpoint saved in {run.out}. "
-            f"Continue with: ftrain train --out {run.out} --resume"
+            f"Continue with: {_resume_command(run)}"
         )
         return {**summary, "interrupted": True}
     return _outputs(run, int(state.step), params, report, summary)
+
+
+def _resume_command(run: _Run) -> str:
+    """The command that continues this run with its saved settings (``--resume`` takes them):
+    under torchrun, with as many processes (each node the same)."""
+    command = f"ftrain train --out {run.out} --resume"
+    if run.world == 1:
+        return command
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", run.world))
+    nodes = f"--nnodes {run.world // per_node} ... " if per_node != run.world else ""
+    return f"torchrun {nodes}--nproc_per_node {per_node} -m {command}"  # -m ftrain train ...
 
 
 def _outputs(
@@ -374,7 +389,8 @@ def _outputs(
     if "val_loss" not in last and cfg.eval_every:
         report.validation(step, evaluate(model, params, run.recipe.valid, cfg))
         summary.update(val_loss=last["val_loss"], val_perplexity=last["val_perplexity"])
-    rundir.plot_losses(report.log.records(), out / "loss.png")
+    unit = "token" if cfg.model_dir else "byte"  # the model folder's tokenizer, or bytes
+    rundir.plot_losses(report.log.records(), out / "loss.png", unit=unit)
     text = ""
     if cfg.sample_tokens:
         text = finetune.end_sample(out, cfg, model, params)  # a chat model: a chat turn

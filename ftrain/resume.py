@@ -1,9 +1,15 @@
-"""``ftrain train --resume``: whether a checkpoint continues this run, and its state.
+"""``ftrain train --resume``: the run's own settings, whether a checkpoint continues this run,
+and its state.
 
-A resumed run is the same run: the settings that fix the model, the data or the random stream
-(:data:`RESUME_FIXED`) and the global batch must match the checkpoint's; it may run on another
-number of processes (the sample order is global) and with another learning rate (set in the
-optimizer state). Every check runs before a tensor is loaded and names the flag that fixes it.
+    ftrain train --out runs/a --resume              # the run's settings, as it saved them
+    ftrain train --out runs/a --resume --lr 1e-3    # ... with one changed (printed: --lr a -> b)
+
+A resumed run is the same run: it takes the settings the run saved (:func:`resumed_values`; flags
+given override them), and those that fix the model, the data or the random stream
+(:data:`RESUME_FIXED`) and the global batch cannot change. It may run on another number of
+processes (the sample order is global), on another machine (:data:`RESOLVED_HERE`) and with
+another learning rate (set in the optimizer state). Every check runs before data or a tensor is
+loaded and names the flag that fixes it.
 """
 
 from __future__ import annotations
@@ -14,8 +20,9 @@ from typing import Any
 
 import ftrain as ft
 from ftrain import rundir
-from ftrain.config import TrainConfig, flag_name
+from ftrain.config import TrainConfig
 from ftrain.recipes import gpt
+from ftrain.run_settings import RESOLVED_HERE, RESUME_FIXED, flag_name, resumed_values, run_settings
 
 __all__ = [
     "RESOLVED_HERE",
@@ -23,6 +30,8 @@ __all__ = [
     "check_global_batch",
     "check_resumed_config",
     "load_checked",
+    "resumed_values",
+    "run_settings",
 ]
 
 
@@ -86,16 +95,7 @@ def check_global_batch(cfg: TrainConfig, saved: dict, meta: dict, world: int) ->
         )
 
 
-# Settings that fix the model, the data or the random stream: a run cannot continue exactly
-# with another value. The others (lr, max_steps, logging, ...) may change on --resume.
-RESUME_FIXED = ("seed", "seq_len", "d_model", "n_layer", "n_head", "bias", "n_experts", "top_k",
-                "batch_size", "data_dir", "model_dir", "data", "pack", "lora_rank", "lora_alpha",
-                "lora_targets", "chat_roles", "chat_template")  # fmt: skip
 _NOT_COMPARED = ("out", "resume", "config", "progress")
-# Where the run trains is the resuming machine's choice: a checkpoint written on a GPU resumes on
-# a CPU-only machine and the other way round. These settings are resolved there again (``auto``
-# as the flags say), never taken from the checkpoint; a change is only noted.
-RESOLVED_HERE = ("device", "precision", "tf32")
 
 
 def check_resumed_config(cfg: TrainConfig, saved: dict[str, Any], main: bool) -> None:
@@ -111,8 +111,8 @@ def check_resumed_config(cfg: TrainConfig, saved: dict[str, Any], main: bool) ->
     if fixed:
         print(
             f"ftrain train: error: --resume: these settings differ from the checkpoint's and "
-            f"would not continue the same run: {', '.join(fixed)} (saved -> new); resume with "
-            f"the saved values, or train into another --out for a new run",
+            f"would not continue the same run: {', '.join(fixed)} (saved -> new); drop them "
+            "(ftrain train --resume takes the run's own), or train into another --out",
             file=sys.stderr,
         )
         raise SystemExit(2)
@@ -124,14 +124,21 @@ def check_resumed_config(cfg: TrainConfig, saved: dict[str, Any], main: bool) ->
             "changes)",
             file=sys.stderr,
         )
-    # A changed --lr is set in the optimizer state, and said so, by _restore.
-    changed = [
-        f"--{flag_name(k)} {a!r} -> {b!r}"
+    # A changed --lr is set in the optimizer state, and said so, by load_checked.
+    changed = {
+        k: f"--{flag_name(k)} {a!r} -> {b!r}"
         for k, (a, b) in diff.items()
         if k != "lr" and k not in RESOLVED_HERE
-    ]
+    }
+    steps, decay = diff.get("max_steps"), diff.get("decay_steps")
+    if steps and decay and decay == (None, steps[0]):  # resumed_values kept the schedule's length
+        del changed["decay_steps"]
+        changed["max_steps"] += (
+            f" (the learning-rate schedule keeps its length: --decay-steps {steps[0]}, as the "
+            f"run had it; pass --decay-steps {steps[1]} to stretch it over the new steps)"
+        )
     if changed and main:
         print(
-            f"ftrain train: note: --resume with changed settings: {', '.join(changed)}",
+            "ftrain train: note: --resume with changed settings: " + ", ".join(changed.values()),
             file=sys.stderr,
         )

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ftrain.config import TrainConfig
+from ftrain.run_settings import saved_config  # re-exported: loop, resume and recipes read it here
 
 __all__ = [
     "MetricsLog",
@@ -67,18 +68,6 @@ def write_config(out: Path, cfg: TrainConfig) -> None:
     (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
 
 
-# Settings added after checkpoints were first written, with the value those runs had.
-_BEFORE_ADDED = {"bias": True}
-
-
-def saved_config(meta: dict[str, Any]) -> dict[str, Any]:
-    """The run settings saved in a checkpoint's ``meta`` (``ft.load_meta``), ``{}`` if none; a
-    setting that did not exist when it was written gets the value runs had then (``bias``: True),
-    not today's default."""
-    saved = meta["extra"].get("config", {})
-    return {**_BEFORE_ADDED, **saved} if saved else {}
-
-
 class MetricsLog:
     """``metrics.jsonl``: one JSON object per line, each with its ``"step"``.
 
@@ -121,8 +110,9 @@ def _line_step(line: str) -> int:
         return 0
 
 
-def plot_losses(records: list[dict[str, Any]], path: Path) -> None:
-    """A loss-curve PNG at ``path``: train loss per logged step, validation loss where measured."""
+def plot_losses(records: list[dict[str, Any]], path: Path, *, unit: str = "byte") -> None:
+    """A loss-curve PNG at ``path``: train loss per logged step, validation loss where measured,
+    in nats per ``unit`` (``"byte"`` for the byte-level GPT, ``"token"`` for a tokenizer's)."""
     # A Figure of its own, not pyplot: no process-wide backend or figure registry is touched.
     # Imported here: only the end of a run draws.
     from matplotlib.figure import Figure
@@ -136,7 +126,7 @@ def plot_losses(records: list[dict[str, Any]], path: Path) -> None:
     if valid:
         ax.plot(*zip(*valid), "o-", label="validation")
     ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats per byte)")
+    ax.set_ylabel(f"loss (nats per {unit})")
     ax.set_title("ftrain train")
     ax.grid(alpha=0.3)
     ax.legend()

@@ -18,6 +18,8 @@ from ftrain.cli import main, parser
         (["--d-model", "30", "--n-head", "4"], "must be divisible by --n-head"),
         (["--optimizer", "adamm"], "--optimizer must be one of"),
         (["--max-steps", "0"], "--max-steps must be >= 1"),
+        (["--warmup", "50", "--max-steps", "30"], "--warmup 50 >= --max-steps 30: the whole run"),
+        (["--warmup", "9", "--decay-steps", "9"], "--warmup 9 >= --decay-steps 9"),
         (["--frobnicate"], "unrecognized arguments"),
         (["--data", "no/such.jsonl"], "--data 'no/such.jsonl' does not exist; pass a text file"),
         (["--model-dir", "no/such"], "--model-dir 'no/such' is not a directory; pass the folder"),
@@ -87,3 +89,24 @@ def test_fresh_run_refuses_an_out_with_checkpoints(tmp_path, tiny_run, capsys):
     assert "Traceback" not in err
     assert ft.latest_checkpoint(out).name == "checkpoint-2"  # the old run is untouched
     assert main(["train", *args, "--max-steps", "3", "--resume"]) == 0
+
+
+def test_lengths_and_losses_are_in_tokens_or_bytes_by_tokenizer(
+    tmp_path, tiny_run, monkeypatch, capsys
+):
+    """--seq-len and --sample-tokens count tokens (bytes for the byte-level GPT); loss.png's axis
+    says nats per byte for the built-in GPT, per token for a tokenizer's model."""
+    from matplotlib.axes import Axes
+
+    from ftrain import rundir
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps the lines
+    assert "--seq-len SEQ_LEN context length in tokens (bytes for the built-in" in text
+    assert "--sample-tokens SAMPLE_TOKENS tokens to generate at the end" in text
+    labels = []
+    monkeypatch.setattr(Axes, "set_ylabel", lambda self, label, **kw: labels.append(label))
+    assert main(["train", *tiny_run, "--max-steps", "1", "--out", str(tmp_path / "run")]) == 0
+    rundir.plot_losses([{"step": 1, "loss": 2.0}], tmp_path / "t.png", unit="token")
+    assert labels == ["loss (nats per byte)", "loss (nats per token)"]

@@ -5,6 +5,7 @@ import dataclasses
 import json
 
 import pytest
+import torch
 
 import ftrain as ft
 from ftrain.cli import main
@@ -108,3 +109,88 @@ def test_sequence_parallel_with_a_llama_model_dir_is_refused_before_any_build(tm
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "model_type 'llama'" in err and "Drop --sequence-parallel" in err
+
+
+def test_a_runs_config_json_is_a_config_file(tmp_path, tiny_run):
+    """`--config runs/a/config.json` (JSON: nulls, every key the run recorded) configures a new
+    run with the same settings; only where it writes differs."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert main(["train", *tiny_run, "--max-steps", "2", "--lr", "0.01", "--out", str(a)]) == 0
+    assert main(["train", "--config", str(a / "config.json"), "--out", str(b)]) == 0
+    ja, jb = (json.loads((d / "config.json").read_text()) for d in (a, b))
+    assert ja["decay_steps"] is None and ja["lr"] == 0.01
+    assert {k: v for k, v in ja.items() if k not in ("out", "config")} == {
+        k: v for k, v in jb.items() if k not in ("out", "config")
+    }
+    assert jb["config"] == str(a / "config.json") and jb["out"] == str(b)
+
+
+def test_a_gpu_runs_config_json_is_resolved_again_here(tmp_path):
+    """A run's recorded GPU (`cuda:0`, bf16) becomes `auto` on the machine that reads it: on
+    a CPU-only one, the CPU in fp32 (an fp16 run keeps fp16: its loss scale is state)."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"device": "cuda:0", "precision": "bf16", "lr": 0.01}))
+    got = load_toml(path)
+    assert got["device"] == "auto" and got["lr"] == 0.01
+    if not torch.cuda.is_available():
+        assert "precision" not in got
+        cfg = from_args(argparse.Namespace(config=str(path)))
+        assert (cfg.device, cfg.precision) == ("auto", "auto")
+        path.write_text(json.dumps({"device": "cuda:1", "precision": "fp16"}))
+        assert load_toml(path) == {"device": "auto", "precision": "fp16"}
+
+
+@pytest.mark.parametrize(
+    "name, text, message",
+    [
+        ("c.json", '{"d_model": 32, "flash_mlp": true}', "unknown setting 'flash_mlp'"),
+        ("c.json", '{"d_model": 32,}', "not valid JSON"),
+        ("c.json", "[1, 2]", "a JSON table of settings expected"),
+        ("c.txt", '{"seed": null}', "seed must be an int, got seed = None"),
+        ("c.toml", "[model]\nd_model = 3\n", "unknown setting 'model'"),
+        ("c.toml", "d_model = \n", "not valid TOML"),
+        ("c.toml", "out = 3", 'out must be a str (a string is "quoted"), got out = 3'),
+        ("c.toml", "config = 'x.toml'", "unknown setting 'config'"),
+        ("missing.toml", None, "--config {path}: no such file"),
+        ("folder", "", "--config {path}: cannot read it"),
+    ],
+)
+def test_every_config_file_problem_is_one_usage_line(tmp_path, name, text, message, capsys):
+    path = tmp_path / name
+    if name == "folder":
+        path.mkdir()
+    elif text is not None:
+        path.write_text(text)
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--config", str(path)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    line = next(x for x in err.splitlines() if x.startswith("ftrain train: error:"))
+    assert line.startswith(f"ftrain train: error: --config {path}: ")
+    assert message.format(path=path) in line
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--max-steps", "99999999999999999999"], "--max-steps 99999999999999999999 is out of"),
+        (["--lr", "inf"], "--lr must be a finite number > 0, got inf"),
+        (["--dropout", "nan"], "--dropout must be in [0, 1), got nan"),
+        (["--resume"], "--resume continues the run in --out: pass --out RUN"),
+    ],
+)
+def test_values_that_would_fail_mid_run_are_usage_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["train", *argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err and "Traceback" not in err
+
+
+def test_a_runs_saved_setting_of_the_wrong_type_is_one_usage_line(tmp_path, capsys):
+    (tmp_path / "config.json").write_text('{"lr": "fast", "d_model": 32}')
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--out", str(tmp_path), "--resume"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err
+    assert f"error: --resume {tmp_path / 'config.json'}: lr must be a float" in err

@@ -82,8 +82,9 @@ def test_train_leaves_its_config_unchanged(tmp_path, tiny_run, monkeypatch):
     assert summary["step"] == 1 and summary["count"] == 12 * 32  # 3 micro-batches of 4 rows
     assert json.loads((tmp_path / "run" / "config.json").read_text())["micro_batches"] == 3
     saved = ft.load_meta(ft.latest_checkpoint(tmp_path / "run"))["extra"]["config"]
-    # ... and the device and precision that auto resolved to here (cpu and fp32 on a CPU)
-    assert saved == {**placement.resolve(before).to_dict(), "micro_batches": 3}
+    # ... and the device, precision and matmul kernel that auto resolved to here (cpu, fp32 on a
+    # CPU; a model this small: torch, untimed)
+    assert saved == {**placement.resolve(before).to_dict(), "micro_batches": 3, "matmul": "torch"}
     assert (saved["device"], before.device) == (str(placement.resolve_device("auto")), "auto")
     # Under torchrun (WORLD_SIZE > 1) without --shard the run resolves to ddp; here torchrun's
     # other variables are missing, so it stops at joining the process group, with cfg unchanged.
@@ -137,7 +138,8 @@ def test_resume_without_a_checkpoint_starts_from_step_0(tmp_path, tiny_run, caps
 def test_bias_flag_and_runs_saved_before_it(tmp_path, tiny_run, capsys):
     """--bias gives the Linears and LayerNorms biases (off by default). A checkpoint written before
     the flag existed (no `bias` in its saved config) was trained with biases: `sample` rebuilds
-    that model, and --resume without --bias is refused as a changed model, naming the fix."""
+    that model, --resume continues it with biases, and --resume --no-bias is refused as a
+    changed model, naming the flag."""
     off, on, old = tmp_path / "off", tmp_path / "on", tmp_path / "old"
     common = [*tiny_run, "--max-steps", "1"]
     assert main(["train", *common, "--out", str(off)]) == 0
@@ -152,11 +154,10 @@ def test_bias_flag_and_runs_saved_before_it(tmp_path, tiny_run, capsys):
     capsys.readouterr()
     assert main(["sample", "--run", str(old), "--prompt", "def ", "--max-new-tokens", "5"]) == 0
     with pytest.raises(SystemExit) as e:
-        main(["train", *common, "--max-steps", "2", "--out", str(old), "--resume"])
+        main(["train", *common, "--max-steps", "2", "--out", str(old), "--resume", "--no-bias"])
     assert e.value.code == 2 and "--bias True -> False" in capsys.readouterr().err
-    assert (
-        main(["train", *common, "--max-steps", "2", "--out", str(old), "--resume", "--bias"]) == 0
-    )
+    assert main(["train", *common, "--max-steps", "2", "--out", str(old), "--resume"]) == 0
+    assert "params.blocks.0.attn.qkv.bias" in _flat(old).keys()
 
 
 def _spawn(args, tmp_path):

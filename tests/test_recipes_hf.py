@@ -77,7 +77,7 @@ def test_packed_llama_run_resumes_bit_exactly(folders, tmp_path):
     _, llama, chats = folders
     assert main(["train", *_flags(llama, chats, tmp_path / "a", "--pack", "--max-steps", "6")]) == 0
     b = ["train", *_flags(llama, chats, tmp_path / "b", "--pack", "--save-every", "3")]
-    assert main(b + ["--max-steps", "3"]) == 0
+    assert main(b + ["--max-steps", "3", "--decay-steps", "6"]) == 0  # to stop early, resume
     assert main(b + ["--max-steps", "6", "--resume"]) == 0
     one, two = (
         ft.load(tmp_path / "a" / "run" / "checkpoint-6"),

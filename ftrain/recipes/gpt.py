@@ -30,7 +30,7 @@ import ftrain as ft
 from ftrain import data, optim, rundir
 from ftrain.config import TrainConfig
 from ftrain.distributed.plans import plan_for
-from ftrain.models import GPT, GPTConfig, generate
+from ftrain.models import GPT, GPTConfig, choose_matmul, generate
 from ftrain.recipes import corpus, placement
 from ftrain.transforms import Lora
 
@@ -49,6 +49,8 @@ __all__ = [
     "eval_params",
     "generate_from",
     "make_loss_fn",
+    "model_config",
+    "resolve_matmul",
     "run_config",
     "sample_text",
     "set_peak_lr",
@@ -142,10 +144,27 @@ def _build_tokens(cfg: TrainConfig, path, tokenizer, quiet: bool) -> None:
 
 
 # -- model and loss ---------------------------------------------------------------------------
-def build_model(cfg: TrainConfig) -> GPT:
-    """The GPT template, initialized from ``cfg.seed`` (its tensors only initialize the params).
-    The global (CPU) random generator is left as it was."""
-    config = GPTConfig(
+def resolve_matmul(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with ``matmul`` resolved, as ``placement.resolve`` resolves the device: a kernel
+    named stays; ``auto`` is ``torch`` on a GPU and for a ``--model-dir`` model (whose linears
+    are its own), and on the CPU the faster of ``onednn`` and ``torch`` for this model's shapes
+    at ``batch_size * seq_len`` rows per forward (``ftrain.models.choose_matmul``: timed once
+    per processor, then cached; a tiny model's is ``torch``, untimed). ``cfg`` is not changed.
+
+    **Invariant:** the result's ``matmul`` is a kernel, never ``auto``, and resolves to itself.
+    The kernels agree only to float32 rounding: the loop records the answer (config.json and
+    every checkpoint) and a resumed run builds with it, untimed."""
+    if cfg.matmul != "auto":
+        return cfg
+    if cfg.model_dir or placement.resolve_device(cfg.device).type != "cpu":
+        return dataclasses.replace(cfg, matmul="torch")
+    kernel = choose_matmul(model_config(cfg), rows=cfg.batch_size * cfg.seq_len)
+    return dataclasses.replace(cfg, matmul=kernel)
+
+
+def model_config(cfg: TrainConfig) -> GPTConfig:
+    """The ``GPTConfig`` of the run's settings (the byte vocabulary; ``matmul`` as ``cfg``'s)."""
+    return GPTConfig(
         vocab_size=data.ByteTokenizer().vocab_size,
         seq_len=cfg.seq_len,
         d_model=cfg.d_model,
@@ -155,7 +174,15 @@ def build_model(cfg: TrainConfig) -> GPT:
         dropout=cfg.dropout,
         n_experts=cfg.n_experts,
         top_k=cfg.top_k,
+        matmul=cfg.matmul,
     )
+
+
+def build_model(cfg: TrainConfig) -> GPT:
+    """The GPT template, initialized from ``cfg.seed`` (its tensors only initialize the params),
+    its linears of the kernel :func:`resolve_matmul` gives (the recorded one on ``--resume``).
+    The global (CPU) random generator is left as it was."""
+    config = model_config(resolve_matmul(cfg))
     with torch.random.fork_rng(devices=[]):  # the model is built on the CPU
         torch.manual_seed(cfg.seed)
         return GPT(config)

@@ -192,10 +192,9 @@ def _processor() -> str:
 
 def describe(cfg: Any) -> str:
     """One line, printed first by ``ftrain train``: the device (its name and memory), the
-    precision (and TF32), the attention kernel, the optimizer's update kernel and the matmul of
-    the resolved ``cfg``'s run (the built-in GPT's; a ``--model-dir`` model's attention is its
-    own)."""
-    from ftrain.models import GPTConfig
+    precision (and TF32), the attention kernel, the optimizer's update kernel and the matmul
+    kernel of the resolved ``cfg``'s run (the built-in GPT's ``cfg.matmul``, as
+    ``gpt.resolve_matmul`` chose it; a ``--model-dir`` model's attention is its own)."""
     from ftrain.models.onednn import onednn_linear_available
     from ftrain.optim import OPTIMIZERS
 
@@ -212,11 +211,11 @@ def describe(cfg: Any) -> str:
         kernel = sdpa_backend(device, dtype, cfg.d_model // cfg.n_head, dropout=cfg.dropout,
                               masked=cfg.pack)  # fmt: skip
         attention = f"SDPA {kernel}"
-        choice = GPTConfig().matmul  # the recipe keeps GPTConfig's default
-        if device.type == "cuda" or choice == "torch" or not onednn_linear_available():
-            matmul = "torch"
-        else:
-            matmul = f"GPTConfig.matmul={choice!r} (oneDNN available)"
+        matmul = {"onednn": "oneDNN (ftrain.models.Linear)", "torch": "torch"}.get(
+            cfg.matmul, repr(cfg.matmul)
+        )
+        if cfg.matmul == "onednn" and (device.type != "cpu" or not onednn_linear_available()):
+            matmul = "torch (--matmul onednn runs torch's off an x86 CPU)"
     else:
         attention, matmul = "the model's own", "torch"
     options = inspect.signature(OPTIMIZERS[cfg.optimizer]).parameters
