@@ -26,6 +26,7 @@ CHECKPOINT_POLICIES = ("none", "blocks", "selective")
 SCHEDULES = ("cosine", "constant", "linear", "wsd", "inverse_sqrt")
 SHARD_STRATEGIES = ("none", "ddp", "zero1", "zero2", "fsdp")
 SINK_NAMES = ("jsonl", "tensorboard")  # ftrain.sinks.SINKS
+DEFAULT_MAX_STEPS = 600  # --max-steps; --epochs replaces it
 
 
 def _f(default, help: str, **kw):
@@ -42,7 +43,7 @@ class TrainConfig:
     resume: bool = _f(False, "continue from the newest valid checkpoint in --out")
     config: str | None = _f(None, "TOML file with these settings (flags override it)")
     seed: int = _f(0, "seed for init, data order and dropout")
-    max_steps: int = _f(600, "optimizer steps to train for")
+    max_steps: int = _f(DEFAULT_MAX_STEPS, "optimizer steps to train for (or --epochs)")
     # -- model ----------------------------------------------------------------------------------
     seq_len: int = _f(128, "context length in bytes")
     d_model: int = _f(128, "width of the residual stream")
@@ -132,6 +133,25 @@ class TrainConfig:
     )
     pack: bool = _f(
         False, "keep attention within each document of a row and restart positions at each"
+    )
+    # -- validation and the run's length (ftrain.data.plan_split) -------------------------------
+    eval_data: str | None = _f(
+        None,
+        "validate on this data (same formats as --data); all of --data then trains",
+        metavar="PATH",
+    )
+    val_fraction: float | None = _f(
+        None,
+        "validate on this fraction of --data: its last documents, or its last tokens when there "
+        "are too few documents (0 = no validation; default: 0.03 of the documents, validation off "
+        "with a warning when that is less than one row)",
+        metavar="F",
+    )
+    epochs: int | None = _f(
+        None,
+        "train for this many passes over the training rows instead of --max-steps (the schedule "
+        "follows; the run then records the steps it computed as max_steps)",
+        metavar="N",
     )
     # -- logging, evaluation, checkpoints --------------------------------------------------------
     log: str = _f(
@@ -255,6 +275,7 @@ class TrainConfig:
                     "length, so its blocks cannot run on sequence slices). Drop "
                     "--sequence-parallel (--tp alone works)."
                 )
+        self._check_validation()
         from ftrain.data.chat import parse_chat_roles
         from ftrain.models.hf import check_attn_implementation
 
@@ -265,6 +286,31 @@ class TrainConfig:
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(
                 f"--optimizer must be one of {sorted(OPTIMIZERS)}, got {self.optimizer!r}"
+            )
+
+    def _check_validation(self) -> None:
+        """``--eval-data`` / ``--val-fraction`` (one way to validate) and ``--epochs`` /
+        ``--max-steps`` (one length)."""
+        if self.epochs is not None and self.max_steps != DEFAULT_MAX_STEPS:
+            raise ValueError(
+                f"--epochs {self.epochs} and --max-steps {self.max_steps} both set the run's "
+                "length; pass one of them"
+            )
+        if self.epochs is not None and (isinstance(self.epochs, bool) or self.epochs < 1):
+            raise ValueError(f"--epochs must be an int >= 1, got {self.epochs!r}")
+        if self.val_fraction is not None and not 0.0 <= self.val_fraction < 1.0:
+            raise ValueError(
+                f"--val-fraction must be in [0, 1) (0 = no validation), got {self.val_fraction}"
+            )
+        if self.eval_data is not None and self.val_fraction is not None:
+            raise ValueError(
+                f"--eval-data {self.eval_data!r} and --val-fraction {self.val_fraction} both choose "
+                "the validation data; pass one of them"
+            )
+        if self.eval_data is not None and not Path(self.eval_data).exists():
+            raise ValueError(
+                f"--eval-data {self.eval_data!r} does not exist; pass a text file, a folder of "
+                "them, a .jsonl or a .parquet file (as for --data)"
             )
 
     def _check_device(self) -> None:

@@ -73,10 +73,11 @@ def _train(cfg: TrainConfig, rank: int, world: int, sinks: Sequence[Sink]) -> di
         cfg, fitted = fit_config(cfg)
         if main:
             print(fitted, flush=True)
-    if main:  # the device, precision and kernels this run picked (config.json records them too)
-        print(placement.describe(cfg), flush=True)
     out = Path(_from_rank0(str(rundir.prepare_out(cfg)) if main else None, world))
     recipe = for_config(cfg).build(cfg, rank=rank, world=world, quiet=not main)
+    cfg = recipe.cfg  # resolved: --epochs N is max_steps from here on
+    if main:  # data, rows, epochs, params, then the device, precision and kernels picked
+        print(recipe.summary, flush=True)
     if main:  # model.json (the model folder, its sha256) and chat_template.jinja
         finetune.record_run(out, cfg)
     run = _Run(cfg, rank, world, out, recipe)
@@ -203,7 +204,7 @@ def _train_steps(
             state, metrics = recipe.step(state, next(batches))
             if n % cfg.log_every == 0 or n == cfg.max_steps:
                 report.metrics(n, metrics)
-            if cfg.eval_every and n % cfg.eval_every == 0:
+            if cfg.eval_every and n % cfg.eval_every == 0 and recipe.valid is not None:
                 params = _eval_params(run, state)  # under sharding a collective: every process
                 if run.main:
                     report.validation(n, evaluate(recipe.model, params, recipe.valid, cfg))
@@ -371,7 +372,7 @@ def _outputs(
     """A completed run's last validation loss (if not just measured), loss.png, sample.txt and
     the lines printed; returns ``summary`` with the validation loss."""
     cfg, out, last, model = run.cfg, run.out, report.last, run.recipe.model
-    if "val_loss" not in last and cfg.eval_every:
+    if "val_loss" not in last and cfg.eval_every and run.recipe.valid is not None:
         report.validation(step, evaluate(model, params, run.recipe.valid, cfg))
         summary.update(val_loss=last["val_loss"], val_perplexity=last["val_perplexity"])
     rundir.plot_losses(report.log.records(), out / "loss.png")
