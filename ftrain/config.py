@@ -136,9 +136,7 @@ class TrainConfig:
     )
     # -- validation and the run's length (ftrain.data.plan_split) -------------------------------
     eval_data: str | None = _f(
-        None,
-        "validate on this data (same formats as --data); all of --data then trains",
-        metavar="PATH",
+        None, "validate on this (formats as --data); all of --data then trains", metavar="PATH"
     )
     val_fraction: float | None = _f(
         None,
@@ -275,8 +273,10 @@ class TrainConfig:
                     "length, so its blocks cannot run on sequence slices). Drop "
                     "--sequence-parallel (--tp alone works)."
                 )
-        self._check_validation()
         from ftrain.data.chat import parse_chat_roles
+        from ftrain.recipes.rows import check_settings
+
+        check_settings(self)  # --eval-data / --val-fraction / --epochs, against --max-steps
         from ftrain.models.hf import check_attn_implementation
 
         parse_chat_roles(self.chat_roles)  # fine-tuning settings: errors name their flag
@@ -286,31 +286,6 @@ class TrainConfig:
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(
                 f"--optimizer must be one of {sorted(OPTIMIZERS)}, got {self.optimizer!r}"
-            )
-
-    def _check_validation(self) -> None:
-        """``--eval-data`` / ``--val-fraction`` (one way to validate) and ``--epochs`` /
-        ``--max-steps`` (one length)."""
-        if self.epochs is not None and self.max_steps != DEFAULT_MAX_STEPS:
-            raise ValueError(
-                f"--epochs {self.epochs} and --max-steps {self.max_steps} both set the run's "
-                "length; pass one of them"
-            )
-        if self.epochs is not None and (isinstance(self.epochs, bool) or self.epochs < 1):
-            raise ValueError(f"--epochs must be an int >= 1, got {self.epochs!r}")
-        if self.val_fraction is not None and not 0.0 <= self.val_fraction < 1.0:
-            raise ValueError(
-                f"--val-fraction must be in [0, 1) (0 = no validation), got {self.val_fraction}"
-            )
-        if self.eval_data is not None and self.val_fraction is not None:
-            raise ValueError(
-                f"--eval-data {self.eval_data!r} and --val-fraction {self.val_fraction} both choose "
-                "the validation data; pass one of them"
-            )
-        if self.eval_data is not None and not Path(self.eval_data).exists():
-            raise ValueError(
-                f"--eval-data {self.eval_data!r} does not exist; pass a text file, a folder of "
-                "them, a .jsonl or a .parquet file (as for --data)"
             )
 
     def _check_device(self) -> None:
