@@ -273,10 +273,8 @@ class TrainConfig:
                     "length, so its blocks cannot run on sequence slices). Drop "
                     "--sequence-parallel (--tp alone works)."
                 )
+        self._check_validation()
         from ftrain.data.chat import parse_chat_roles
-        from ftrain.recipes.rows import check_settings
-
-        check_settings(self)  # --eval-data / --val-fraction / --epochs, against --max-steps
         from ftrain.models.hf import check_attn_implementation
 
         parse_chat_roles(self.chat_roles)  # fine-tuning settings: errors name their flag
@@ -287,6 +285,24 @@ class TrainConfig:
             raise ValueError(
                 f"--optimizer must be one of {sorted(OPTIMIZERS)}, got {self.optimizer!r}"
             )
+
+    def _check_validation(self) -> None:
+        """One way to validate (--eval-data or --val-fraction), one length (--epochs or
+        --max-steps: a max_steps other than its default counts as given)."""
+        e, f, d = self.epochs, self.val_fraction, self.eval_data
+        for bad, message in (
+            (e is not None and self.max_steps != DEFAULT_MAX_STEPS,
+             f"--epochs {e} and --max-steps {self.max_steps} both set the run's length; pass one"),
+            (e is not None and (isinstance(e, bool) or e < 1), f"--epochs must be >= 1, got {e!r}"),
+            (f is not None and not 0.0 <= f < 1.0,
+             f"--val-fraction must be in [0, 1) (0 = no validation), got {f}"),
+            (d is not None and f is not None,
+             f"--eval-data {d!r} and --val-fraction {f} both choose the validation data; pass one"),
+            (d is not None and not Path(d).exists(),
+             f"--eval-data {d!r} does not exist; pass a file or a folder, as for --data"),
+        ):  # fmt: skip
+            if bad:
+                raise ValueError(message)
 
     def _check_device(self) -> None:
         """``--device`` exists here (``placement.resolve_device``'s one-line error otherwise);

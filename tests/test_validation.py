@@ -148,8 +148,11 @@ def test_epochs_sets_the_step_count_and_the_schedule_follows(tmp_path, epochs):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--epochs", "2", "--max-steps", "5"], "--epochs 2 and --max-steps 5 both set"),
-        (["--epochs", "0"], "--epochs must be an int >= 1"),
+        (
+            ["--epochs", "2", "--max-steps", "5"],
+            "--epochs 2 and --max-steps 5 both set the run's length; pass one",
+        ),
+        (["--epochs", "0"], "--epochs must be >= 1"),
         (["--val-fraction", "1.5"], "--val-fraction must be in [0, 1)"),
         (["--eval-data", "nowhere.txt"], "--eval-data 'nowhere.txt' does not exist"),
         (["--eval-data", ".", "--val-fraction", "0.1"], "both choose the validation data"),

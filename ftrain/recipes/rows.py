@@ -18,17 +18,16 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
 import ftrain as ft
 from ftrain import data
-from ftrain.config import DEFAULT_MAX_STEPS, TrainConfig
+from ftrain.config import TrainConfig
 from ftrain.recipes import corpus, placement
 
-__all__ = ["Rows", "build", "check_settings", "rows_per_step", "steps_per_epoch", "with_length"]
+__all__ = ["Rows", "build", "rows_per_step", "steps_per_epoch", "with_length"]
 
 
 class Rows(NamedTuple):
@@ -104,33 +103,6 @@ def _plan(path, cfg: TrainConfig, fraction: float | None, what: str) -> data.Spl
 
 def _flags(text: str) -> str:
     return text.replace("seq_len", "--seq-len")
-
-
-def check_settings(cfg: TrainConfig) -> None:
-    """``TrainConfig.validate``'s checks of this module's settings: one way to validate
-    (``--eval-data`` or ``--val-fraction``), one length (``--epochs`` or ``--max-steps``; a
-    ``max_steps`` other than its default counts as given). ``ValueError`` naming the flags."""
-    if cfg.epochs is not None and cfg.max_steps != DEFAULT_MAX_STEPS:
-        raise ValueError(
-            f"--epochs {cfg.epochs} and --max-steps {cfg.max_steps} both set the run's length; "
-            "pass one of them"
-        )
-    if cfg.epochs is not None and (isinstance(cfg.epochs, bool) or cfg.epochs < 1):
-        raise ValueError(f"--epochs must be an int >= 1, got {cfg.epochs!r}")
-    if cfg.val_fraction is not None and not 0.0 <= cfg.val_fraction < 1.0:
-        raise ValueError(
-            f"--val-fraction must be in [0, 1) (0 = no validation), got {cfg.val_fraction}"
-        )
-    if cfg.eval_data is not None and cfg.val_fraction is not None:
-        raise ValueError(
-            f"--eval-data {cfg.eval_data!r} and --val-fraction {cfg.val_fraction} both choose the "
-            "validation data; pass one of them"
-        )
-    if cfg.eval_data is not None and not Path(cfg.eval_data).exists():
-        raise ValueError(
-            f"--eval-data {cfg.eval_data!r} does not exist; pass a text file, a folder of them, a "
-            ".jsonl or a .parquet file (as for --data)"
-        )
 
 
 def rows_per_step(cfg: TrainConfig, world: int = 1) -> int:
