@@ -1,6 +1,8 @@
 """docs/finetune.md runs as written: its files written, its commands run (ftrain.cli.main) and
 its Python executed, in document order, in a folder holding a tiny GPT-2 as ``my-model/``."""
 
+import contextlib
+import io
 import re
 import shlex
 from pathlib import Path
@@ -40,6 +42,7 @@ def walked(tmp_path_factory):
     tiny_hf_dir(root / "my-model", "gpt2")
     (root / "data").mkdir()
     env: dict = {"__name__": "finetune.md"}
+    printed = io.StringIO()  # what the commands print
     mp = pytest.MonkeyPatch()
     mp.chdir(root)
     mp.setenv("FTRAIN_CACHE", str(root / "cache"))
@@ -53,14 +56,18 @@ def walked(tmp_path_factory):
                 for argv in _commands(text):
                     assert argv[0] == "ftrain"
                     if "--resume" not in argv:  # tested below
-                        assert main(_quiet(argv[1:])) == 0, argv
+                        with contextlib.redirect_stdout(printed):
+                            assert main(_quiet(argv[1:])) == 0, argv
     finally:
         mp.undo()
-    return root, env
+    return root, env, printed.getvalue()
 
 
 def test_the_finetune_guide_runs_and_its_exports_agree(walked):
-    root, env = walked
+    root, env, printed = walked
+    # the startup summary the page shows is the one its command prints (but the device line)
+    shown = next(t for k, _, t in _blocks() if k == "text").splitlines()[:4]
+    assert "\n".join(shown) in printed
     assert (root / "runs/chat/chat_template.jinja").exists()
     assert (root / "hf/chat/config.json").exists()
     assert (root / "adapter/adapter_config.json").exists()
@@ -79,7 +86,7 @@ def test_the_finetune_guide_runs_and_its_exports_agree(walked):
 def test_the_resume_snippet(walked, capsys):
     """`ftrain train --out runs/chat --resume --max-steps 40` continues the run with its saved
     settings: it needs --resume to take them (the resume work, merged separately)."""
-    root, _ = walked
+    root = walked[0]
     resume = next(
         a for k, _, t in _blocks() if k == "bash" for a in _commands(t) if "--resume" in a
     )
