@@ -73,10 +73,12 @@ def _train(cfg: TrainConfig, rank: int, world: int, sinks: Sequence[Sink]) -> di
         cfg, fitted = fit_config(cfg)
         if main:
             print(fitted, flush=True)
+    if main:  # the device, precision and kernels this run picked (config.json records them too)
+        print(placement.describe(cfg), flush=True)
     out = Path(_from_rank0(str(rundir.prepare_out(cfg)) if main else None, world))
     recipe = for_config(cfg).build(cfg, rank=rank, world=world, quiet=not main)
     cfg = recipe.cfg  # resolved: --epochs N is max_steps from here on
-    if main:  # data, rows, epochs, params, then the device, precision and kernels picked
+    if main:  # the rest of the startup summary: data, rows, epochs, validation, params
         print(recipe.summary, flush=True)
     if main:  # model.json (the model folder, its sha256) and chat_template.jinja
         finetune.record_run(out, cfg)

@@ -55,8 +55,9 @@ def build(
     ``--eval-data``; a ``DataError``), raised before anything trains.
 
     In a process group, rank 0 builds (or finds the caches) while the others wait, then every
-    process opens the builds; a failure on rank 0 stops every rank (the others with a
-    ``RuntimeError`` quoting it)."""
+    process opens the builds (two writers of one folder would race on its files), so the folders
+    must be ones all processes see (one machine, or a shared filesystem); a failure on rank 0
+    stops every rank (the others with a ``RuntimeError`` quoting it)."""
     cfg = placement.resolve(cfg)  # the batches go to cfg.device, pinned and prefetched
     path = corpus.cache_dir(cfg)
     eval_path = corpus.eval_cache_dir(cfg) if cfg.eval_data else None

@@ -1,10 +1,13 @@
-"""What a run is about to do, printed by ``ftrain train`` before the first step:
+"""What a run is about to do, printed by ``ftrain train`` before the first step, after the line
+of ``placement.describe`` (device, precision, kernels), which it prints before building anything:
 
-ftrain train: data: the Python standard library: 782 documents, 9,404,305 tokens
-  training: 16 rows x 128 tokens per step, 4591.4 steps per epoch; 600 steps = 0.13 epochs
-  validation: 24 documents, 203,813 tokens (the last documents)
-  params: 812,416 trainable, 0 frozen
-  device: cpu (AMD EPYC ..., 2 threads); precision fp32; ...       (placement.describe)
+    ftrain train: device cpu (AMD EPYC, 2 threads); precision fp32; ...    (placement.describe)
+    ftrain train: data: --data data/: 203 documents, 8,609 tokens
+      training: 8 rows x 64 tokens per step, 16.8 steps per epoch; 30 steps = 1.79 epochs
+      validation: 23 documents, 996 tokens (the last documents of the data)
+      params: 8,192 trainable, 37,760 frozen (LoRA rank 8 adapters; the model's own frozen)
+
+(docs/finetune.md's LoRA run of a tiny GPT-2.)
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from typing import Any
 
 import ftrain as ft
 from ftrain.config import TrainConfig
-from ftrain.recipes import placement, rows
+from ftrain.recipes import rows
 
 __all__ = ["summary"]
 
@@ -27,9 +30,9 @@ _HOW = {
 def summary(cfg: TrainConfig, built: rows.Rows, state: ft.TrainState, world: int = 1) -> str:
     """The startup summary of the resolved ``cfg``'s run (lines, no trailing newline): the
     training data (documents, tokens), rows per step, steps per epoch and the epochs the run
-    covers, the validation rows or why validation is off, the trainable and frozen params
-    (LoRA's frozen base) and, last, ``placement.describe(cfg)``'s line (device, precision,
-    kernels).
+    covers, the validation rows or why validation is off, and the trainable and frozen params
+    (LoRA's frozen base). The device and precision are ``placement.describe``'s line, which
+    ``ftrain train`` prints before building anything (so it shows before a long tokenization).
 
     **Invariant:** every number is read from the datasets and the state the run trains with,
     not from the settings' defaults (the test recounts them from the data)."""
@@ -51,7 +54,6 @@ def summary(cfg: TrainConfig, built: rows.Rows, state: ft.TrainState, world: int
         f"{per_epoch:.1f} steps per epoch; {cfg.max_steps} steps = {covers:.2f} epochs",
         f"  {validation}",
         f"  params: {trainable:,} trainable, {frozen:,} frozen{lora}",
-        "  " + placement.describe(cfg).removeprefix("ftrain train: "),
     ])  # fmt: skip
 
 
