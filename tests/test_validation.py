@@ -189,3 +189,12 @@ def test_the_summary_counts_trainable_and_frozen_params_under_lora(tmp_path):
         recipe.valid.path, L, token_range=(0, 321)))  # fmt: skip
     assert f"{per_epoch:.1f} steps per epoch" in recipe.summary
     assert np.isclose(per_epoch, ((321 - 1) // L) / B)
+
+
+def test_a_token_range_outside_the_build_is_refused_with_its_bounds(tmp_path):
+    path = _build(tmp_path, [_text(40)])  # 41 tokens
+    for bad in [(5, 5), (0, 42), (-1, 10)]:
+        with pytest.raises(
+            ValueError, match=r"token_range must be \(lo, hi\) with 0 <= lo < hi <= 41"
+        ):
+            data.TokenDataset(path, 4, token_range=bad)
