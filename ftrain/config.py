@@ -34,6 +34,7 @@ SCHEDULES = ("cosine", "constant", "linear", "wsd", "inverse_sqrt")
 SHARD_STRATEGIES = ("none", "ddp", "zero1", "zero2", "fsdp")
 SINK_NAMES = ("jsonl", "tensorboard")  # ftrain.sinks.SINKS
 MATMULS = ("auto", "onednn", "torch")  # ftrain.models.MATMULS and "auto"
+DEFAULT_MAX_STEPS = 600  # --max-steps; --epochs replaces it
 
 
 def _f(default, help: str, **kw):
@@ -54,7 +55,7 @@ class TrainConfig:
         metavar="FILE",
     )
     seed: int = _f(0, "seed for init, data order and dropout")
-    max_steps: int = _f(600, "optimizer steps to train for")
+    max_steps: int = _f(DEFAULT_MAX_STEPS, "optimizer steps to train for (or --epochs)")
     # -- model ----------------------------------------------------------------------------------
     seq_len: int = _f(128, "context length in tokens (bytes for the built-in byte-level GPT)")
     d_model: int = _f(128, "width of the residual stream")
@@ -144,6 +145,23 @@ class TrainConfig:
     )
     pack: bool = _f(
         False, "keep attention within each document of a row and restart positions at each"
+    )
+    # -- validation and the run's length (ftrain.data.plan_split) -------------------------------
+    eval_data: str | None = _f(
+        None, "validate on this (formats as --data); all of --data then trains", metavar="PATH"
+    )
+    val_fraction: float | None = _f(
+        None,
+        "validate on this fraction of --data: its last documents, or its last tokens when there "
+        "are too few documents (0 = no validation; default: 0.03 of the documents, validation off "
+        "with a warning when that is less than one row)",
+        metavar="F",
+    )
+    epochs: int | None = _f(
+        None,
+        "train for this many passes over the training rows instead of --max-steps (the schedule "
+        "follows; the run then records the steps it computed as max_steps)",
+        metavar="N",
     )
     # -- logging, evaluation, checkpoints --------------------------------------------------------
     log: str = _f(
@@ -282,6 +300,10 @@ class TrainConfig:
                     "length, so its blocks cannot run on sequence slices). Drop "
                     "--sequence-parallel (--tp alone works)."
                 )
+        from ftrain.data.splits import check_settings
+
+        check_settings(self.epochs, self.max_steps != DEFAULT_MAX_STEPS, self.max_steps,
+                       self.val_fraction, self.eval_data)  # fmt: skip
         from ftrain.data.chat import parse_chat_roles
         from ftrain.models.hf import check_attn_implementation
 

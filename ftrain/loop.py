@@ -77,6 +77,9 @@ def _train(cfg: TrainConfig, rank: int, world: int, sinks: Sequence[Sink]) -> di
         print(placement.describe(cfg), flush=True)
     out = Path(_from_rank0(str(rundir.prepare_out(cfg)) if main else None, world))
     recipe = for_config(cfg).build(cfg, rank=rank, world=world, quiet=not main)
+    cfg = recipe.cfg  # resolved: --epochs N is max_steps from here on
+    if main:  # the rest of the startup summary: data, rows, epochs, validation, params
+        print(recipe.summary, flush=True)
     if main:  # model.json (the model folder, its sha256) and chat_template.jinja
         finetune.record_run(out, cfg)
     run = _Run(cfg, rank, world, out, recipe)
@@ -207,7 +210,7 @@ def _train_steps(
             state, metrics = recipe.step(state, next(batches))
             if n % cfg.log_every == 0 or n == cfg.max_steps:
                 report.metrics(n, metrics)
-            if cfg.eval_every and n % cfg.eval_every == 0:
+            if cfg.eval_every and n % cfg.eval_every == 0 and recipe.valid is not None:
                 params = _eval_params(run, state)  # under sharding a collective: every process
                 if run.main:
                     report.validation(n, evaluate(recipe.model, params, recipe.valid, cfg))
@@ -386,7 +389,7 @@ def _outputs(
     """A completed run's last validation loss (if not just measured), loss.png, sample.txt and
     the lines printed; returns ``summary`` with the validation loss."""
     cfg, out, last, model = run.cfg, run.out, report.last, run.recipe.model
-    if "val_loss" not in last and cfg.eval_every:
+    if "val_loss" not in last and cfg.eval_every and run.recipe.valid is not None:
         report.validation(step, evaluate(model, params, run.recipe.valid, cfg))
         summary.update(val_loss=last["val_loss"], val_perplexity=last["val_perplexity"])
     unit = "token" if cfg.model_dir else "byte"  # the model folder's tokenizer, or bytes

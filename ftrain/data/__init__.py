@@ -33,6 +33,7 @@ from ftrain.data.datasets import DocumentDataset, TokenDataset, restarting_posit
 from ftrain.data.documents import DataError, Document, data_files, read_documents
 from ftrain.data.order import BucketByLength, Sequential, Shuffled, bucket_by_length
 from ftrain.data.pipeline import Loader, LoaderIterator, loader
+from ftrain.data.splits import DEFAULT_SPLITS, SplitPlan, plan_split
 from ftrain.data.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
 
 __all__ = [
@@ -69,5 +70,8 @@ __all__ = [
     "loader",
     "padding_fraction",
     "split_ranges",
+    "DEFAULT_SPLITS",
+    "SplitPlan",
+    "plan_split",
     "stack_collate",
 ]

@@ -135,6 +135,22 @@ class _Build:
         return docs
 
 
+def _clip(docs: np.ndarray, token_range, who: str) -> tuple[range, np.ndarray, np.ndarray]:
+    """The documents overlapping the token-file span ``token_range`` = [lo, hi), and the starts
+    and sizes of their pieces within it (the first and last may be cut mid-document)."""
+    lo, hi = token_range
+    if not 0 <= lo < hi <= int(docs[-1]):
+        raise ValueError(
+            f"{who}: token_range must be (lo, hi) with 0 <= lo < hi <= {int(docs[-1])} (the "
+            f"build's tokens), got {token_range!r}"
+        )
+    first = int(np.searchsorted(docs, lo, side="right")) - 1  # the document holding token lo
+    last = int(np.searchsorted(docs, hi, side="left"))  # one past the document holding hi - 1
+    starts = np.maximum(docs[first:last], lo)  # (D,)
+    stops = np.minimum(docs[first + 1 : last + 1], hi)  # (D,)
+    return range(first, last), starts, stops - starts
+
+
 def _load_mapped(path: Path) -> np.ndarray:
     """A memory-mapped .npy as a plain ndarray view (np.memmap indexing runs Python code)."""
     return np.load(path, mmap_mode="r", allow_pickle=False).view(np.ndarray)
@@ -201,6 +217,9 @@ class TokenDataset:
         num_epochs: epochs of the split to index (default 1), each with its own document order.
         num_samples: alternatively, the number of samples the run needs; enough epochs are indexed
             to hold at least that many (`len(ds) >= num_samples`).
+        token_range: alternatively to `split`, the tokens [lo, hi) of the build's token file
+            (`ftrain.data.plan_split` cuts a corpus of too few documents this way); a document
+            cut by it is a shorter piece, joined to the next without an end-of-document id.
         pack: also give `"position_ids"` (LongTensor[seq_len]) restarting at 0 where each
             document of the row starts (`restarting_positions`), so that a model given them keeps
             attention within documents (`ftrain train --pack`). The samples are the same.
@@ -220,6 +239,7 @@ class TokenDataset:
         num_epochs: int | None = None,
         num_samples: int | None = None,
         pack: bool = False,
+        token_range: tuple[int, int] | None = None,
     ):
         who = "TokenDataset"
         if not isinstance(seq_len, int) or seq_len < 1:
@@ -236,10 +256,14 @@ class TokenDataset:
         self.seq_len, self.seed, self.split, self.splits = seq_len, seed, split, tuple(splits)
         self.pack = bool(pack)
         self.vocab_size, self.eot_id = self._build.vocab_size, self._build.eot_id
-        self.doc_range = self._build.split(who, split, splits)
-        docs = self._build.docs
-        self._starts = docs[self.doc_range.start : self.doc_range.stop]
-        sizes = docs[self.doc_range.start + 1 : self.doc_range.stop + 1] - self._starts
+        self.token_range = None if token_range is None else tuple(map(int, token_range))
+        if self.token_range is None:
+            self.doc_range = self._build.split(who, split, splits)
+            docs = self._build.docs
+            self._starts = docs[self.doc_range.start : self.doc_range.stop]
+            sizes = docs[self.doc_range.start + 1 : self.doc_range.stop + 1] - self._starts
+        else:  # the documents' pieces within [lo, hi) of the token file
+            self.doc_range, self._starts, sizes = _clip(self._build.docs, self.token_range, who)
         self._sizes = sizes
         self.tokens_per_epoch = int(sizes.sum())
         if self.tokens_per_epoch < seq_len + 1:
@@ -260,6 +284,7 @@ class TokenDataset:
             f"{self.split}-L{self.seq_len}-seed{self.seed}-ep{self.num_epochs}"
             f"-split{'_'.join(f'{w:g}' for w in self.splits)}"
             f"-{self._build.meta['docs_sha256'][:12]}"
+            + ("" if self.token_range is None else "-tokens{}_{}".format(*self.token_range))
         )
         folder = self.path / INDEX_DIR
         names = ("doc_idx", "sample_idx", "shuffle_idx")

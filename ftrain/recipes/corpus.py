@@ -11,6 +11,7 @@ itself (``ftrain.data.build_token_dataset``) is redone only when the files chang
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import sys
@@ -19,7 +20,7 @@ from pathlib import Path
 from ftrain import data
 from ftrain.config import TrainConfig
 
-__all__ = ["cache_dir", "report_build", "sources"]
+__all__ = ["cache_dir", "eval_cache_dir", "report_build", "sources"]
 
 
 def sources(cfg: TrainConfig) -> list:
@@ -42,6 +43,14 @@ def cache_dir(cfg: TrainConfig) -> Path:
     digest = hashlib.sha256(f"{what}|{tok}".encode()).hexdigest()[:12]
     name = Path(cfg.data).name if cfg.data else "stdlib"
     return root / f"{name}-{digest}"
+
+
+def eval_cache_dir(cfg: TrainConfig) -> Path:
+    """The token cache of ``--eval-data``: ``eval-data/`` inside ``--data-dir`` when one is
+    given, else named as :func:`cache_dir` names ``--data``'s (by its path and tokenizer)."""
+    if cfg.data_dir:
+        return Path(cfg.data_dir) / "eval-data"
+    return cache_dir(dataclasses.replace(cfg, data=cfg.eval_data))
 
 
 def report_build(summary: data.BuildSummary, *, file=None) -> None:

@@ -31,7 +31,7 @@ from ftrain import data, optim, rundir
 from ftrain.config import TrainConfig
 from ftrain.distributed.plans import plan_for
 from ftrain.models import GPT, GPTConfig, choose_matmul, generate
-from ftrain.recipes import corpus, placement
+from ftrain.recipes import corpus, placement, rows, startup
 from ftrain.transforms import Lora
 
 __all__ = [
@@ -64,7 +64,9 @@ class Recipe(NamedTuple):
     step: ft.Step  # the composed step (build_step)
     state: ft.TrainState  # at step 0: params, optimizer state, RNG key, the transforms' entries
     loader: data.Loader  # this process's batches of one global batch: endless, resumable
-    valid: data.TokenDataset  # the validation rows (the same on every process)
+    valid: data.TokenDataset | None  # the validation rows (the same on every process); None: off
+    cfg: TrainConfig | None = None  # the settings resolved (--epochs -> max_steps): what trains
+    summary: str = ""  # startup.summary: data, rows per step, epochs, params, device
 
 
 def build(cfg: TrainConfig, *, rank: int = 0, world: int = 1, quiet: bool = False) -> Recipe:
@@ -73,15 +75,18 @@ def build(cfg: TrainConfig, *, rank: int = 0, world: int = 1, quiet: bool = Fals
 
     The model template, the state and the loader's batches are on ``cfg.device`` (resolved by
     ``placement.resolve``: ``auto`` is the GPU when there is one); the init is the same on every
-    device (built on the CPU from ``cfg.seed``, then moved)."""
+    device (built on the CPU from ``cfg.seed``, then moved). ``recipe.cfg`` is ``cfg`` resolved
+    (device, precision, ``--epochs`` as ``max_steps``): the settings the loop runs and records."""
     cfg = placement.resolve(cfg)
-    loader, valid = build_data(cfg, rank=rank, world=world, quiet=quiet)
+    built = rows.build(cfg, rank=rank, world=world, quiet=quiet)
+    cfg = rows.with_length(cfg, built.train, world)  # --epochs N -> max_steps, before the schedule
     model = build_model(cfg).to(cfg.device)
     opt = build_optimizer(cfg)
     state = build_state(cfg, model, opt)
     step = build_step(cfg, model, opt)
     placement.release_params(model)  # the state holds the params: the template's go to meta
-    return Recipe(model, step, step.init_extra(state), loader, valid)
+    about = startup.summary(cfg, built, state, world)
+    return Recipe(model, step, step.init_extra(state), built.loader, built.valid, cfg, about)
 
 
 # -- data -------------------------------------------------------------------------------------
@@ -93,54 +98,12 @@ def data_dir(cfg: TrainConfig) -> Path:
 
 def build_data(
     cfg: TrainConfig, *, rank: int = 0, world: int = 1, quiet: bool = False, tokenizer=None
-) -> tuple[data.Loader, data.TokenDataset]:
-    """The token build of the stdlib corpus or of ``--data`` (``corpus.sources``; made once with
-    ``tokenizer``, default bytes, then cached), the train loader for this process (an endless
-    stream, resumable) and the validation dataset (with ``--pack``: rows with position ids).
-
-    In a process group of ``world`` processes, rank 0 builds (or finds the cache) while the others
-    wait for it, then every process opens the build: two writers of the same folder would race on
-    its files. If rank 0's build fails, every rank raises (the others a ``RuntimeError`` quoting
-    rank 0's error). The folder must then be one all processes see (one machine, or a shared
-    filesystem)."""
-    cfg = placement.resolve(cfg)  # the batches go to cfg.device, pinned and prefetched
-    path = data_dir(cfg)
-    together = world > 1 and ft.distributed.is_initialized()
-    if not together:
-        _build_tokens(cfg, path, tokenizer, quiet)
-    else:
-        # the others open the build only once rank 0 has written it; rank 0's failure is sent to
-        # them in place of the go-ahead, so that every rank stops with it instead of waiting
-        failure = None
-        if rank == 0:
-            try:
-                _build_tokens(cfg, path, tokenizer, quiet)
-            except Exception as e:
-                failure = e
-        box = [None if failure is None else f"{type(failure).__name__}: {failure}"]
-        torch.distributed.broadcast_object_list(box, src=0)
-        if failure is not None:
-            raise failure
-        if box[0] is not None:
-            raise RuntimeError(f"the token build on rank 0 failed: {box[0]}")
-    train_ds = data.TokenDataset(path, cfg.seq_len, seed=cfg.seed, split="train", pack=cfg.pack)
-    valid_ds = data.TokenDataset(path, cfg.seq_len, seed=cfg.seed, split="valid", pack=cfg.pack)
-    rows = cfg.batch_size * cfg.micro_batches  # per process per optimizer step
-    # one global sample order for every number of processes: this process takes its stride of it
-    # (under --tp the tp processes of a group share one stride: rank = dp * tp + tp rank)
-    loader = data.loader(train_ds, rows, seed=cfg.seed, infinite=True, num_workers=cfg.num_workers,
-                         rank=rank // cfg.tp, world_size=world // cfg.tp,
-                         device=cfg.device)  # fmt: skip
-    return loader, valid_ds
-
-
-def _build_tokens(cfg: TrainConfig, path, tokenizer, quiet: bool) -> None:
-    # chats rendered with --chat-template (default: the tokenizer's), roles renamed by --chat-roles
-    tokenizer = data.with_chat_template(tokenizer or data.ByteTokenizer(), cfg.chat_template)
-    summary = data.build_token_dataset(corpus.sources(cfg), path, tokenizer, progress=not quiet,
-                                       chat_roles=cfg.chat_roles)  # fmt: skip
-    if not quiet:
-        corpus.report_build(summary)  # what it skipped, and why
+) -> tuple[data.Loader, data.TokenDataset | None]:
+    """The train loader for this process (an endless stream, resumable) and the validation rows
+    (None: validation off), as ``rows.build`` makes them from ``--data`` / ``--eval-data`` /
+    ``--val-fraction`` (with ``--pack``: rows with position ids)."""
+    built = rows.build(cfg, rank=rank, world=world, quiet=quiet, tokenizer=tokenizer)
+    return built.loader, built.valid
 
 
 # -- model and loss ---------------------------------------------------------------------------

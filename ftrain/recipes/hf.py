@@ -27,7 +27,7 @@ from ftrain import data
 from ftrain.config import TrainConfig
 from ftrain.models import load_causal_lm
 from ftrain.models.hf import check_model_dir
-from ftrain.recipes import gpt, placement
+from ftrain.recipes import gpt, placement, rows, startup
 
 __all__ = ["build", "build_model", "context_length", "make_loss_fn", "sample_text"]
 
@@ -41,12 +41,14 @@ def build(cfg: TrainConfig, *, rank: int = 0, world: int = 1, quiet: bool = Fals
     check_model_dir(cfg.model_dir)  # the folder first: then its tokenizer, then the model
     tokenizer = data.load_tokenizer(cfg.model_dir)
     model = build_model(cfg, tokenizer).to(cfg.device)
-    loader, valid = gpt.build_data(cfg, rank=rank, world=world, quiet=quiet, tokenizer=tokenizer)
+    built = rows.build(cfg, rank=rank, world=world, quiet=quiet, tokenizer=tokenizer)
+    cfg = rows.with_length(cfg, built.train, world)  # --epochs N -> max_steps, before the schedule
     opt = gpt.build_optimizer(cfg)
     state = gpt.build_state(cfg, model, opt)
     step = gpt.build_step(cfg, model, opt, loss_fn=make_loss_fn(model))
     placement.release_params(model)  # the state holds the params: the template's go to meta
-    return gpt.Recipe(model, step, step.init_extra(state), loader, valid)
+    about = startup.summary(cfg, built, state, world)
+    return gpt.Recipe(model, step, step.init_extra(state), built.loader, built.valid, cfg, about)
 
 
 def context_length(model: nn.Module) -> int | None:
