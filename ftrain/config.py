@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import json
 import math
+import sys
 import typing
 from pathlib import Path
 from typing import Any
@@ -433,6 +434,9 @@ def from_args(ns: argparse.Namespace) -> TrainConfig:
     steps, flag = (
         (cfg.decay_steps, "decay-steps") if cfg.decay_steps else (cfg.max_steps, "max-steps")
     )
+    if cfg.warmup and cfg.warmup >= steps and "warmup" not in given:  # the default's, or a file's
+        print(f"ftrain train: warning: --warmup {cfg.warmup} >= --{flag} {steps}: the whole run "
+              f"is warmup; pass e.g. --warmup {steps // 10}", file=sys.stderr)  # fmt: skip
     if "warmup" in given and cfg.warmup and cfg.warmup >= steps:  # typed (a file's: recorded)
         raise ValueError(
             f"--warmup {cfg.warmup} >= --{flag} {steps}: the whole run would be warmup (the "

@@ -38,6 +38,22 @@ def test_bad_flags_get_usage_errors(argv, message, capsys):
     assert message in err and "Traceback" not in err
 
 
+def test_a_run_shorter_than_the_default_warmup_is_warned_about(capsys):
+    """--max-steps 30 with the default --warmup 50: the run is all warmup, which is said (a typed
+    --warmup that long is refused above); a run longer than the warmup says nothing."""
+    import argparse
+
+    from ftrain.config import add_arguments, from_args
+
+    train = argparse.ArgumentParser()
+    add_arguments(train)
+    cfg = from_args(train.parse_args(["--max-steps", "30"]))
+    assert cfg.warmup == 50 and cfg.max_steps == 30  # the settings stay as given
+    assert "--warmup 50 >= --max-steps 30: the whole run is warmup" in capsys.readouterr().err
+    from_args(train.parse_args(["--max-steps", "60"]))
+    assert "warmup" not in capsys.readouterr().err
+
+
 def test_a_bad_setting_is_reported_by_the_train_command(capsys):
     """Settings checked after parsing (TrainConfig's own checks) get the usage of `ftrain train`."""
     with pytest.raises(SystemExit) as e:
