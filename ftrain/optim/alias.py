@@ -11,12 +11,11 @@ from ftrain import tree
 from ftrain.optim.base import GradientTransformation, chain
 from ftrain.optim.checks import check_lr, check_range, checked
 from ftrain.optim.factorized import scale_by_factored_rms, scale_by_param_block_rms
-from ftrain.optim.fused import adamw_transform, check_fused, fused_adam, fused_sgd
+from ftrain.optim.fused import adam_transform, check_fused, fused_sgd
 from ftrain.optim.schedules import Schedule, as_schedule
 from ftrain.optim.transforms import (
     add_decayed_weights,
     clip_by_block_rms,
-    scale_by_adam,
     scale_by_learning_rate,
     scale_by_lion,
     scale_by_schedule,
@@ -128,24 +127,7 @@ def adam(
     check_range("adam", "eps", eps, 0.0)
     check_range("adam", "weight_decay", weight_decay, 0.0)
     check_fused("adam", fused)
-    parts = [add_decayed_weights(weight_decay, mask)] if weight_decay else []
-    foreach_chain = chain(*parts, scale_by_adam(b1, b2, eps), scale_by_learning_rate(learning_rate))
-    if fused is False:
-        return foreach_chain
-    return fused_adam(
-        foreach_chain,
-        fn="adam",
-        fused=fused,
-        learning_rate=learning_rate,
-        b1=b1,
-        b2=b2,
-        eps=eps,
-        weight_decay=weight_decay,
-        mask=mask,
-        decoupled=False,
-        adam_key=str(len(parts)),
-        lr_key=str(len(parts) + 1),
-    )
+    return adam_transform(learning_rate, b1, b2, eps, weight_decay, mask, fused, decoupled=False)
 
 
 @checked
@@ -198,7 +180,7 @@ def adamw(
     check_range("adamw", "eps", eps, 0.0)
     check_range("adamw", "weight_decay", weight_decay, 0.0)
     check_fused("adamw", fused)
-    return adamw_transform(learning_rate, b1, b2, eps, weight_decay, mask, fused)
+    return adam_transform(learning_rate, b1, b2, eps, weight_decay, mask, fused, decoupled=True)
 
 
 @checked

@@ -63,7 +63,7 @@ from ftrain.optim.kernels import check_same_keys
 from ftrain.optim.schedules import as_schedule
 from ftrain.optim.transforms import add_decayed_weights, scale_by_adam, scale_by_learning_rate
 
-__all__ = ["adamw_transform", "fused_adam", "fused_sgd", "check_fused"]
+__all__ = ["adam_transform", "fused_adam", "fused_sgd", "check_fused"]
 
 Leaves = list[torch.Tensor]
 
@@ -338,23 +338,24 @@ def fused_sgd(
     return _choosing("sgd", chain_t, fused, run, flags_of if weight_decay else None)
 
 
-def adamw_transform(
-    learning_rate, b1: float, b2: float, eps: float, weight_decay: float, mask, fused
-) -> GradientTransformation:
-    """``optim.adamw``'s transformation, its arguments already checked: the chain
-    ``scale_by_adam, add_decayed_weights, scale_by_learning_rate``, run by torch's fused kernel
+def adam_transform(
+    learning_rate, b1: float, b2: float, eps: float, weight_decay: float, mask, fused, *,
+    decoupled: bool,
+) -> GradientTransformation:  # fmt: skip
+    """``optim.adamw``'s (``decoupled``) or ``optim.adam``'s transformation, its arguments already
+    checked: AdamW's chain ``scale_by_adam, add_decayed_weights, scale_by_learning_rate``, or
+    Adam's with the (L2) decay first and only when ``weight_decay``; run by torch's fused kernel
     unless ``fused is False``. Also ``optim.muon_adamw``'s AdamW part, so that part equals
     ``optim.adamw`` on its params bit for bit."""
-    foreach_chain = chain(
-        scale_by_adam(b1, b2, eps),
-        add_decayed_weights(weight_decay, mask),
-        scale_by_learning_rate(learning_rate),
-    )
+    decay = [add_decayed_weights(weight_decay, mask)]
+    adam, lr = scale_by_adam(b1, b2, eps), scale_by_learning_rate(learning_rate)
+    parts = [adam, *decay, lr] if decoupled else [*decay[: 1 if weight_decay else 0], adam, lr]
+    foreach_chain = chain(*parts)
     if fused is False:
         return foreach_chain
     return fused_adam(
         foreach_chain,
-        fn="adamw",
+        fn="adamw" if decoupled else "adam",
         fused=fused,
         learning_rate=learning_rate,
         b1=b1,
@@ -362,7 +363,7 @@ def adamw_transform(
         eps=eps,
         weight_decay=weight_decay,
         mask=mask,
-        decoupled=True,
-        adam_key="0",
-        lr_key="2",
+        decoupled=decoupled,
+        adam_key=str(parts.index(adam)),
+        lr_key=str(parts.index(lr)),
     )

@@ -30,7 +30,7 @@ from tensordict import TensorDict, TensorDictBase
 from ftrain import foreach, tree
 from ftrain.optim.base import GradientTransformation, chain, empty_state, leafwise
 from ftrain.optim.checks import check_range, checked
-from ftrain.optim.fused import adamw_transform, check_fused
+from ftrain.optim.fused import adam_transform, check_fused
 from ftrain.optim.kernels import as_update, check_same_keys, mul
 from ftrain.optim.partition import partition
 from ftrain.optim.schedules import Schedule
@@ -372,5 +372,7 @@ def muon_adamw(
     )
     lr = learning_rate if adamw_learning_rate is None else adamw_learning_rate
     check_fused("muon_adamw", fused)
-    rest = adamw_transform(lr, b1, b2, eps, weight_decay, _within(mask), fused)  # optim.adamw's
+    rest = adam_transform(
+        lr, b1, b2, eps, weight_decay, _within(mask), fused, decoupled=True
+    )  # optim.adamw's
     return partition({"muon": hidden, "adamw": rest}, labels)
