@@ -17,7 +17,7 @@ owns the cache lives. Outside a step, or while ``torch.compile`` traces, nothing
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import chain
 from operator import is_
 from typing import Protocol
@@ -30,7 +30,7 @@ from ftrain import tree
 from ftrain.modules import buffer_slot, param_slot, tables
 from ftrain.scoped import Scoped
 
-__all__ = ["apply", "Rewrite", "rewriting", "ApplyCache", "caching"]
+__all__ = ["apply", "Rewrite", "rewriting", "rewritten", "ApplyCache", "caching"]
 
 
 class Rewrite(Protocol):
@@ -51,20 +51,23 @@ class Calls:
         self.count = 0
 
 
-_REWRITES: Scoped[tuple[tuple[Rewrite, ...], Calls | None]] = Scoped(
-    "ftrain.apply rewrites", ((), None)
+_REWRITES: Scoped[tuple[tuple[Rewrite, ...], tuple[Calls, ...]]] = Scoped(
+    "ftrain.apply rewrites", ((), ())
 )
 _CACHE: Scoped[ApplyCache | None] = Scoped("ftrain.apply cache", None)
 
 
 class rewriting:  # noqa: N801 - used as a function: `with rewriting(r) as calls:`
     """A context manager: every :func:`apply` inside runs ``module`` rewritten by ``rewrites``, in
-    order (each gets the previous one's result). ``with rewriting(r) as calls:`` gives a
-    :class:`Calls` that counts the ``apply`` calls made inside. (A class, as dynamo traces it.)"""
+    order (each gets the previous one's result), and then by those of any enclosing
+    ``rewriting`` block (an inner block's rewrites act closer to the module's own code).
+    ``with rewriting(r) as calls:`` gives a :class:`Calls` that counts the ``apply`` calls made
+    inside. (A class, as dynamo traces it.)"""
 
     def __init__(self, rewrites: Sequence[Rewrite]):
         self.calls = Calls()
-        self.using = _REWRITES.using((tuple(rewrites), self.calls))
+        outer, counters = _REWRITES.get()
+        self.using = _REWRITES.using(((*rewrites, *outer), (self.calls, *counters)))
 
     def __enter__(self) -> Calls:
         self.using.__enter__()
@@ -72,6 +75,26 @@ class rewriting:  # noqa: N801 - used as a function: `with rewriting(r) as calls
 
     def __exit__(self, *exc) -> None:
         self.using.__exit__(*exc)
+
+
+def rewritten(fn: Callable, rewrite: Rewrite, who: str) -> Callable:
+    """``fn`` (a step's call of its loss function, ``fn(params, batch, state)``) with every
+    :func:`apply` inside running the module rewritten by ``rewrite``: what a transform's
+    ``forward`` hook returns to act on the model (``ft.checkpoint``, fsdp's gathering). A call in
+    which the loss function never called ``apply`` is an error naming ``who``."""
+
+    def call(params, batch, state):
+        with rewriting([rewrite]) as calls:
+            out = fn(params, batch, state)
+        if not calls.count:
+            raise RuntimeError(
+                f"{who} acts on the model that the loss function calls through "
+                "ft.apply(model, params, ...), but the loss function never called ft.apply. "
+                "Call the model through ft.apply."
+            )
+        return out
+
+    return call
 
 
 class ApplyCache:
@@ -122,8 +145,8 @@ def apply(module: nn.Module, params: TensorDictBase, *args, buffers=None, **kwar
             f"ft.apply(module, params): params must be a TensorDict (from ft.params_of(module)), "
             f"got {type(params).__name__}."
         )
-    rewrites, calls = _REWRITES.get()
-    if calls is not None:
+    rewrites, counters = _REWRITES.get()
+    for calls in counters:
         calls.count += 1
     cache = None if torch.compiler.is_compiling() else _CACHE.get()
     if cache is None:

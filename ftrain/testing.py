@@ -265,10 +265,10 @@ def saved_bytes(fn: Callable[..., Any], *args, **kwargs) -> int:
 def saved_activation_bytes(step: Step, state: TrainState, batch: Any) -> int:
     """Bytes the ``step`` keeps alive for backward after the forward of its first micro-batch.
 
-    Runs only the forward phase (``step.forward``: the loss function under the step's
-    ``around_forward`` contexts and model rewrites, i.e. autocast and activation checkpointing) on
-    the first of the pieces ``step.split(batch)`` gives, inside the step's ``around_step`` contexts
-    (TF32) and with the global random state restored afterwards. It returns :func:`saved_bytes` of that forward:
+    Runs only the forward phase (``step.forward``: the loss function inside the step's ``forward``
+    hooks, e.g. autocast and activation checkpointing) on the first of the pieces
+    ``step.split(batch)`` gives, with the global random state restored afterwards (the
+    ``"eager"`` wraps, e.g. TF32, are not run: they change no byte). It returns :func:`saved_bytes` of that forward:
     the total size of the tensors allocated during the forward that are still alive once it
     returns while the loss is held — the activations autograd saved, dropout masks, autocast's
     low-precision weight copies, the inputs (and, for ``"selective"``, the matmul outputs) that
@@ -292,7 +292,7 @@ def saved_activation_bytes(step: Step, state: TrainState, batch: Any) -> int:
         leaves = [p.detach().requires_grad_(True) for p in tree.leaves(state.params)]
         return step.forward(tree.unflatten(state.params, leaves), micro, state)
 
-    with rng.seeded(rng.step_seed(state), device), step.around_step(state):
+    with rng.seeded(rng.step_seed(state), device):
         return saved_bytes(forward)
 
 

@@ -318,13 +318,14 @@ def test_rewriting_runs_the_rewrites_in_order_and_counts_the_calls():
     with rewriting([double, plus_one]) as calls:
         out = ft.apply(net, params, x)
         ft.apply(net, params, x)
-        with rewriting([]) as inner:  # nested: its own rewrites (none) and its own count
-            torch.testing.assert_close(ft.apply(net, params, x), net(x), rtol=0, atol=0)
+        with rewriting([Affine(3.0, 0.0, seen)]) as inner:  # nested: acts closer to the module
+            torch.testing.assert_close(ft.apply(net, params, x), 6 * net(x) + 1)
     torch.testing.assert_close(out, 2 * net(x) + 1, rtol=0, atol=0)  # not 2 * (net(x) + 1)
     assert seen[0] is net and seen[1] is not net  # the second got the first one's result
-    assert (calls.count, inner.count) == (2, 1)
+    assert seen[2] is net  # the nested block's rewrite got the module itself
+    assert (calls.count, inner.count) == (3, 1)  # an enclosing block counts nested calls too
     ft.apply(net, params, x)  # outside: not counted, not rewritten
-    assert calls.count == 2
+    assert calls.count == 3
     torch.testing.assert_close(ft.apply(net, params, x), net(x), rtol=0, atol=0)
 
 

@@ -85,7 +85,7 @@ def test_a_hf_model_with_lora_merged_loads_with_the_same_logits(tmp_path, name):
     export_hf(model, merged, tmp_path)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
     x = lm_batch(2, seed=9)["input"]
-    adapted = ft.apply(model, lora.loss_params(state.params, state), x).logits
+    adapted = ft.apply(model, lora.merged(state.params, state), x).logits
     assert (loaded(x).logits - adapted).abs().max() <= 1e-5
     assert (adapted - model(x).logits).abs().max() > 1e-3  # the adapters changed the model
     with pytest.raises(KeyError, match=r"do not match .*missing.* unexpected \['[\w.]*lora_A'"):

@@ -16,18 +16,15 @@ from ftrain.step import AutogradEngine, backward_plan
 from ftrain.step.engine import nonzero
 
 
-def linear_forward(seen=None, low_mean=False, reduces_in_backward=False):
+def linear_forward(seen=None, low_mean=False):
     """A step's forward for ``y = x @ w + b`` (``u`` unused): a squared-error Loss per piece.
     ``seen`` records the piece's ``BackwardPlan.reweight`` (captured in the forward, as fsdp does)
-    when its gradient flows back; ``low_mean`` says the loss was a low-precision mean, and
-    ``reduces_in_backward`` marks the plan as fsdp's gathers do."""
+    when its gradient flows back; ``low_mean`` says the loss was a low-precision mean."""
 
     def forward(params, piece):
         x, weight = piece
         h = x @ params["w"]
         plan = backward_plan()
-        if reduces_in_backward:
-            plan.reduced_in_backward = True
         if seen is not None:
             h.register_hook(lambda g: seen.append(plan.reweight))
         per_row = (h + params["b"]).pow(2).sum(-1) * weight
@@ -83,13 +80,14 @@ def test_a_loss_scale_multiplies_the_grads_and_reweights_during_backward(scale):
 @pytest.mark.parametrize("reduces_in_backward", [False, True])
 def test_a_low_precision_mean_is_reweighted_only_where_gradients_stay_local(reduces_in_backward):
     """A bf16/fp16 mean is backpropagated as a mean and reweighted afterwards, unless something
-    reduces the gradients across processes during backward (fsdp): then the sum is backpropagated.
-    Either way the gradients are those of the summed totals."""
+    reduces the gradients across processes during backward (fsdp, which declares
+    REDUCES_IN_BACKWARD, so the step builds the engine with ``reduced_in_backward``): then the sum
+    is backpropagated. Either way the gradients are those of the summed totals."""
     params, pieces = params_and_pieces()
     plain = AutogradEngine()(linear_forward(), params, pieces, None)
     seen = []
-    forward = linear_forward(seen, low_mean=True, reduces_in_backward=reduces_in_backward)
-    got = AutogradEngine()(forward, params, pieces, None)
+    engine = AutogradEngine(reduced_in_backward=reduces_in_backward)
+    got = engine(linear_forward(seen, low_mean=True), params, pieces, None)
     assert seen == [not reduces_in_backward] * len(pieces)
     for a, b in zip(got.grads, plain.grads):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=0)

@@ -1,15 +1,16 @@
 """ftrain.step.transform: the ``ft.Transform`` protocol. A user's transform overriding a hook sees
 it called at its phase, in the order transforms were applied, and has the power of a built-in
-(split the batch, swap the gradient engine, scale the loss, reduce, change or skip the update,
-wrap the optimizer or the whole function); ``uses`` opts out; ordering rules (``check``, ``once``,
-one loss scale, compile twice) refuse a step when it is built; a non-Step is refused.
+(split the batch, swap the gradient engine, wrap the loss call, rewrite the model, scale the loss,
+reduce, change or skip the update, wrap the optimizer or the whole function at each stage); what a
+transform declares in ``capabilities`` is checked against the one table of conflicts when the step
+is built (both transforms named, in either order); ``step.explain()`` reports the resolved order;
+a non-Step is refused.
 
 The references are the plain step and gradients worked out by hand with torch.autograd.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import itertools
@@ -21,10 +22,11 @@ from torch import nn
 
 import ftrain as ft
 from ftrain import optim
+from ftrain.apply import rewritten
 from ftrain.blocks import replace_forwards
 from ftrain.optim import GradientTransformation
+from ftrain.step import capabilities
 from ftrain.testing import assert_steps_close
-from ftrain.transforms import Accumulate
 
 from _tiny import UNEVEN, Chain, gpt_step, lm_batch
 
@@ -70,47 +72,9 @@ class Recorder(ft.Transform):
     def note(self, what: str) -> None:
         self.log.append(f"{self.tag}.{what}")
 
-    def check(self, inner, outer):
-        self.note("check")
-
     def optimizer(self, optimizer):
         self.note("optimizer")
         return optimizer
-
-    def wrap(self, fn):
-        self.note("wrap")
-
-        def wrapped(state, batch):
-            self.note("call")
-            out = fn(state, batch)
-            self.note("return")
-            return out
-
-        return wrapped
-
-    def init(self, state):
-        self.note("init")
-        return state
-
-    @contextlib.contextmanager
-    def around_step(self, state):
-        self.note("step{")
-        yield
-        self.note("}step")
-
-    def split(self, batch):
-        self.note("split")
-        return [batch]
-
-    @contextlib.contextmanager
-    def around_forward(self, params):
-        self.note("forward{")
-        yield
-        self.note("}forward")
-
-    def rewrite(self, module):
-        self.note("rewrite")
-        return module
 
     def engine(self, engine):
         self.note("engine")
@@ -120,6 +84,41 @@ class Recorder(ft.Transform):
             return engine(forward, params, pieces, scale)
 
         return run
+
+    def wrap(self, fn, stage):
+        self.note(f"wrap.{stage}")
+
+        def wrapped(state, batch):
+            self.note(f"call.{stage}")
+            out = fn(state, batch)
+            self.note(f"return.{stage}")
+            return out
+
+        return wrapped
+
+    def forward(self, fn):
+        self.note("forward")
+        inner = rewritten(fn, self, f"ft.{self.name}")
+
+        def call(params, batch, state):
+            self.note("forward{")
+            out = inner(params, batch, state)
+            self.note("}forward")
+            return out
+
+        return call
+
+    def rewrite(self, module):  # the model rewrite of ``rewritten`` (ft.apply's Rewrite)
+        self.note("rewrite")
+        return module
+
+    def init(self, state):
+        self.note("init")
+        return state
+
+    def split(self, batch):
+        self.note("split")
+        return [batch]
 
     def loss_scale(self, state):
         self.note("loss_scale")
@@ -134,13 +133,6 @@ class Recorder(ft.Transform):
         return g
 
 
-class Observer(Recorder):
-    """A Recorder without a loss scale (a step has one at most)."""
-
-    def uses(self, hook):
-        return hook != "loss_scale" and super().uses(hook)
-
-
 def in_order(log: list[str], *entries: str) -> bool:
     positions = [log.index(e) for e in entries]
     return positions == sorted(positions)
@@ -150,21 +142,23 @@ def test_each_hook_runs_at_its_phase_and_changes_nothing_by_default():
     model, step, state, batch = linear_setup()
     log: list[str] = []
     recorded = Recorder(log)(step)
-    assert log == ["r.check", "r.optimizer", "r.engine", "r.wrap"]  # building
+    assert log == [  # building: components swapped, the loss call and the step wrapped
+        "r.optimizer", "r.engine", "r.forward", "r.wrap.traced", "r.wrap.compile", "r.wrap.eager",
+    ]  # fmt: skip
 
     log.clear()
     new, metrics = recorded(state, batch)
+    stages = ("eager", "compile", "traced")
     assert sorted(log) == sorted(
-        f"r.{h}"
-        for h in (
-            "init", "step{", "call", "loss_scale", "split", "grad[1]", "forward{", "rewrite",
-            "}forward", "reduce", "gradients", "return", "}step",
-        )
-    )  # fmt: skip
-    # set-up, the wrapped function, forward (inside the engine), reduce, update, tear-down
-    assert in_order(log, "r.init", "r.step{", "r.call", "r.split", "r.grad[1]", "r.forward{")
-    assert in_order(log, "r.forward{", "r.rewrite", "r.}forward", "r.reduce", "r.gradients")
-    assert in_order(log, "r.gradients", "r.return", "r.}step")
+        [f"r.{h}" for h in ("init", "loss_scale", "split", "grad[1]", "forward{", "rewrite")]
+        + [f"r.{h}" for h in ("}forward", "reduce", "gradients")]
+        + [f"r.{what}.{stage}" for what in ("call", "return") for stage in stages]
+    )
+    # set-up, the wraps from the outside in, forward (inside the engine), reduce, update
+    assert in_order(log, "r.init", "r.call.eager", "r.call.compile", "r.call.traced", "r.split")
+    assert in_order(log, "r.split", "r.grad[1]", "r.forward{", "r.rewrite", "r.}forward")
+    assert in_order(log, "r.}forward", "r.reduce", "r.gradients", "r.return.traced")
+    assert in_order(log, "r.return.traced", "r.return.compile", "r.return.eager")
     assert in_order(log, "r.loss_scale", "r.grad[1]")  # the engine gets the scale
     want, _ = step(state, batch)
     for k in ("weight", "bias"):
@@ -172,18 +166,20 @@ def test_each_hook_runs_at_its_phase_and_changes_nothing_by_default():
 
 
 def test_hooks_run_in_the_order_the_transforms_were_applied():
-    """Innermost first: ``a`` applied before ``b`` initializes, enters its contexts, splits,
-    rewrites, reduces and sees the gradients first; ``b``'s wrap and engine wrap ``a``'s."""
+    """Innermost first: ``a`` applied before ``b`` initializes, splits, rewrites the model (closer
+    to its code), reduces and sees the gradients first; ``b``'s wraps, engine and forward wrap
+    ``a``'s."""
     model, step, state, batch = linear_setup()
     log: list[str] = []
-    both = Observer(log, "b")(Recorder(log, "a")(step))
+    both = Recorder(log, "b")(Recorder(log, "a")(step))
     log.clear()
     both(state, batch)
-    for hook in ("init", "step{", "split", "forward{", "rewrite", "reduce", "gradients"):
+    for hook in ("init", "split", "rewrite", "reduce", "gradients"):
         assert in_order(log, f"a.{hook}", f"b.{hook}"), hook
-    for hook in ("}forward", "}step"):
-        assert in_order(log, f"b.{hook}", f"a.{hook}"), hook  # contexts nest
-    assert in_order(log, "b.call", "a.call", "a.return", "b.return")
+    assert in_order(log, "b.forward{", "a.forward{", "a.}forward", "b.}forward")
+    for stage in ("eager", "compile", "traced"):
+        assert in_order(log, f"b.call.{stage}", f"a.call.{stage}", f"a.return.{stage}")
+    assert in_order(log, "b.call.traced", "a.call.traced", "a.return.traced", "b.return.traced")
     assert in_order(log, "b.grad[1]", "a.grad[1]")
 
 
@@ -191,28 +187,84 @@ def test_the_wrapped_function_runs_once_per_step_and_the_forward_once_per_piece(
     model, step, state, batch = linear_setup()
     log: list[str] = []
     ft.accumulate(Recorder(log)(step), 3)(state, batch)
-    assert log.count("r.call") == 1 and log.count("r.forward{") == 3
+    assert log.count("r.call.eager") == 1 and log.count("r.forward{") == 3
     assert "r.grad[3]" in log
 
 
-class OptOut(ft.Transform):
-    """Overrides ``split`` but opts out of it per instance with ``uses``."""
+def test_explain_lists_each_hook_in_the_order_it_runs_with_its_transforms():
+    """``step.explain()`` is worked out from what the step resolved: a transform is listed at a
+    hook only where it acts (``ft.autocast`` to bf16 has no loss scale), in the order the hooks
+    run, and every hook inside the step is marked compiled under ``ft.compile``."""
+    _, step, _, _ = linear_setup()
+    bf16 = ft.autocast(ft.accumulate(step, 2), torch.bfloat16, tf32=True)
+    rows = {r.hook: r for r in bf16.explain_rows()}
+    assert rows["split"].transforms == ("accumulate",)
+    assert rows["forward"].transforms == ("autocast",)
+    assert rows["loss_scale"].transforms == () and rows["gradients"].transforms == ()
+    assert rows["wrap(eager)"].transforms == ("autocast",)  # TF32 for the call
+    assert {r.runs for r in rows.values() if r.phase != "build"} == {"eager"}
+    fp16 = ft.compile(ft.checkpoint(ft.autocast(ft.accumulate(step, 2), torch.float16)))
+    rows = {r.hook: r for r in fp16.explain_rows()}
+    assert rows["loss_scale"].transforms == ("autocast",) and rows["init"].runs == "eager"
+    assert rows["forward"].transforms == ("checkpoint", "autocast")  # outermost first
+    assert rows["forward"].runs == "compiled per micro-batch" and rows["split"].runs == "eager"
+    assert rows["gradients"].runs == "compiled" and rows["wrap(compile)"].transforms == ("compile",)
+    text = fp16.explain()
+    assert text.splitlines()[0] == repr(fp16)
+    assert [line.split()[1] for line in text.splitlines()[1:]] == [
+        r.hook for r in fp16.explain_rows()
+    ]
 
-    def split(self, batch):
-        raise AssertionError("split runs although uses('split') is False")
 
-    def uses(self, hook):
-        return hook != "split" and super().uses(hook)
+# -- what a transform declares, checked in one table -----------------------------------------------
 
 
-def test_uses_is_whether_a_hook_is_overridden_unless_the_transform_says_otherwise():
-    model, step, state, batch = linear_setup()
-    assert Recorder([]).uses("split") and Recorder([]).uses("gradients")
-    assert not ft.Transform().uses("split")
-    assert not OptOut().uses("split") and not OptOut().uses("gradients")
-    new, _ = OptOut()(step)(state, batch)
-    want, _ = step(state, batch)
-    assert torch.equal(new.params["weight"], want.params["weight"])
+class GradNoise(ft.Transform):
+    def capabilities(self):
+        return {"adds gradient noise": ""}
+
+
+class OtherNoise(ft.Transform):
+    def capabilities(self):
+        return {"adds gradient noise": "another kind"}
+
+
+def test_a_declared_capability_is_exclusive_unless_the_table_shares_it():
+    _, step, _, _ = linear_setup()
+    assert GradNoise.name == "grad_noise"  # the class name in snake case
+    with pytest.raises(ValueError, match=r"^ft\.grad_noise was applied twice \(it adds gradient "):
+        GradNoise()(ft.accumulate(GradNoise()(step), 2))
+    for build in (lambda: OtherNoise()(GradNoise()(step)), lambda: GradNoise()(OtherNoise()(step))):
+        with pytest.raises(
+            ValueError, match=r"adds gradient noise.*and so does.*Apply one of them"
+        ):
+            build()
+    shared = capabilities.SAVED_TENSOR_HOOKS  # two transforms may both use saved-tensor hooks
+
+    class Hooks(ft.Transform):
+        def capabilities(self):
+            return {shared: ""}
+
+    assert Hooks()(ft.checkpoint(step)).names == ("checkpoint", "hooks")
+
+
+class FuncGrad(ft.Transform):
+    def capabilities(self):
+        return {capabilities.TORCH_FUNC_GRADIENTS: ""}
+
+
+def test_a_rule_of_the_table_names_both_transforms_and_the_fix_in_either_order():
+    _, step, _, _ = linear_setup()
+    for build in (lambda: ft.checkpoint(FuncGrad()(step)), lambda: FuncGrad()(ft.checkpoint(step))):
+        with pytest.raises(ValueError) as refused:
+            build()
+        message = str(refused.value)
+        assert message.startswith("ft.func_grad computes gradients with torch.func and ")
+        assert "ft.checkpoint uses saved-tensor hooks" in message
+        assert "torch.func refuses saved-tensor hooks" in message and "Leave out" in message
+    assert FuncGrad()(ft.checkpoint(step, policy="none")).names == ("checkpoint", "func_grad")
+    for rule in capabilities.RULES:  # every rule's capabilities are ones the module defines
+        assert {rule.a, rule.b} <= {getattr(capabilities, n) for n in capabilities.__all__}
 
 
 # -- each hook has the power of a built-in ---------------------------------------------------------
@@ -255,6 +307,9 @@ class ScaleBy(ft.Transform):
     """A constant loss scale."""
 
     value: float
+
+    def capabilities(self):
+        return {capabilities.SCALES_LOSS: f"{self.value}"}
 
     def loss_scale(self, state):
         return torch.tensor(self.value)
@@ -390,10 +445,13 @@ def test_the_optimizer_hook_wraps_the_optimizer_the_step_runs():
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Tagged(ft.Transform):
-    """Rewrites the model so that its forward first notes ``tag`` in ``log``."""
+    """Runs the model rewritten so that its forward first notes ``tag`` in ``log``."""
 
     log: list
     tag: str
+
+    def forward(self, fn):
+        return rewritten(fn, self, f"ft.{self.name}")
 
     def rewrite(self, module):
         def make(current):
@@ -406,13 +464,15 @@ class Tagged(ft.Transform):
         return replace_forwards(module, [(module, make)])
 
 
-class TaggedInside(Tagged):
-    rewrite_order = -1  # before (inside) the rewrites of order 0, as fsdp's gathering
+class TaggedGathering(Tagged):
+    def capabilities(self):
+        return {capabilities.GATHERS_PARAMS: ""}  # as fsdp: runs inside the other rewrites
 
 
-def test_rewrites_nest_as_applied_unless_their_rewrite_order_says_otherwise():
-    """The rewrite applied last runs outermost; a lower ``rewrite_order`` runs closer to the
-    module's own code whatever the order of application (fsdp's gathering inside checkpoint)."""
+def test_rewrites_nest_as_applied_unless_a_capability_puts_them_inside():
+    """The rewrite applied last runs outermost; one that gathers params (fsdp) runs closer to the
+    module's own code whatever the order of application, so that a block that activation
+    checkpointing recomputes gathers again."""
     torch.manual_seed(0)
     model = Chain(2)
     opt = optim.sgd(0.1)
@@ -423,7 +483,7 @@ def test_rewrites_nest_as_applied_unless_their_rewrite_order_says_otherwise():
     Tagged(log, "b")(Tagged(log, "a")(step))(state, x)
     assert log == ["b", "a"]
     log.clear()
-    TaggedInside(log, "b")(Tagged(log, "a")(step))(state, x)
+    TaggedGathering(log, "b")(Tagged(log, "a")(step))(state, x)
     assert log == ["a", "b"]
     want, _ = step(state, x)  # and the forward is the model's own
     got, _ = Tagged(log, "a")(step)(state, x)
@@ -457,45 +517,14 @@ def test_all_orders_of_accumulate_checkpoint_autocast_agree():
             raise AssertionError(f"order {order} differs from {first}: {e}") from None
 
 
-# -- ordering rules, checked when the step is built ------------------------------------------------
-
-
-class AfterAccumulate(ft.Transform):
-    """Must be applied after ft.accumulate (an ordering rule of its own)."""
-
-    def check(self, inner, outer):
-        if any(isinstance(t, Accumulate) for t in outer):
-            raise ValueError(
-                "ft.after_accumulate must come after ft.accumulate: "
-                "ft.after_accumulate(ft.accumulate(step, k))."
-            )
-
-
-def test_check_can_refuse_an_order_whenever_a_transform_is_added():
-    _, step, _, _ = linear_setup()
-    assert AfterAccumulate()(ft.accumulate(step, 2)).names == ("accumulate", "after_accumulate")
-    mine = AfterAccumulate()(step)
-    with pytest.raises(ValueError, match=r"must come after ft\.accumulate"):
-        ft.accumulate(mine, 2)
-    assert mine.names == ("after_accumulate",)  # the refused step was never made
-
-
-class GradNoise(ft.Transform):
-    once = True
-
-
-def test_once_refuses_a_second_transform_of_the_class():
-    _, step, _, _ = linear_setup()
-    assert GradNoise.name == "grad_noise"  # the class name in snake case
-    with pytest.raises(ValueError, match=r"ft\.grad_noise was applied twice; apply it once"):
-        GradNoise()(ft.accumulate(GradNoise()(step), 2))
+# -- conflicts between built-ins and yours, checked when the step is built ----------------------
 
 
 def test_one_loss_scale_per_step():
     _, step, _, _ = linear_setup()
-    with pytest.raises(ValueError, match=r"ft\.scale_by and ft\.scale_by both scale the loss"):
+    with pytest.raises(ValueError, match=r"ft\.scale_by was applied twice: 4\.0, then 2\.0"):
         ScaleBy(2.0)(ScaleBy(4.0)(step))
-    with pytest.raises(ValueError, match=r"ft\.scale_by and ft\.autocast both scale the loss"):
+    with pytest.raises(ValueError, match=r"ft\.scale_by scales the loss.*and so does ft\.autocast"):
         ft.autocast(ScaleBy(2.0)(step), torch.float16)
     assert ft.autocast(ScaleBy(2.0)(step), torch.bfloat16).names == ("scale_by", "autocast")
 
@@ -504,7 +533,7 @@ def test_an_inner_hook_applied_after_compile_is_compiled_with_the_step():
     """A transform's inner hooks act the same whether it comes before or after ft.compile."""
 
     class Metric(ft.Transform):
-        def wrap(self, fn):
+        def wrap(self, fn, stage):
             return fn
 
     _, step, state, batch = linear_setup()
@@ -558,13 +587,16 @@ def test_a_builtin_transform_of_a_plain_function_is_refused(transform):
 class Frozen(ft.Transform):
     """Hands the loss function ``params`` plus a frozen ``b`` kept in ``state.extra``."""
 
-    def loss_params(self, params, state):
-        both = params.clone(recurse=False)
-        both["b"] = state.extra["frozen"]
-        return both
+    def forward(self, fn):
+        def with_frozen(params, batch, state):
+            both = params.clone(recurse=False)
+            both["b"] = state.extra["frozen"]
+            return fn(both, batch, state)
+
+        return with_frozen
 
 
-def test_loss_params_adds_what_the_loss_uses_but_the_step_does_not_differentiate():
+def test_forward_adds_what_the_loss_uses_but_the_step_does_not_differentiate():
     x, y = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([0.5, -1.0, 2.0])
     w, b = torch.tensor([0.3, -0.2, 0.1]), torch.tensor([1.0, 0.0, -1.0])
 

@@ -120,7 +120,7 @@ def test_merge_lora_is_the_adapted_model_and_leaves_the_state():
     copied = state.clone()
     merged = ft.merge_lora(state)
     x = lm_batch(2)["input"]
-    adapted = ft.apply(model, lora.loss_params(state.params, state), x)
+    adapted = ft.apply(model, lora.merged(state.params, state), x)
     assert torch.allclose(ft.apply(model, merged, x), adapted, atol=1e-6)
     assert tree.paths(merged) == tree.paths(ft.params_of(model))
     assert all(torch.equal(a, b) for a, b in zip(tree.leaves(state), tree.leaves(copied)))

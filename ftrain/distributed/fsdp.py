@@ -167,8 +167,7 @@ class _Session:
         """The parameters at ``slots`` (``ftrain.modules.param_slots``) whole for the extent of the
         block."""
         plan = backward_plan()
-        if plan is not None:  # in a forward: this micro-batch's backward will reduce-scatter
-            plan.reduced_in_backward = True
+        if plan is not None:  # in an engine's forward: read its decision during backward
             self.plan = plan
         current = [table[name] for table, name in slots]
         order: dict[int, int] = {}

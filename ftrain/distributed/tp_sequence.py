@@ -212,7 +212,6 @@ class SumPartialGrads:
 
     def __init__(self, inner: Any, paths: frozenset[str], group):
         self.inner, self.paths, self.group = inner, paths, group
-        self.weighs_rows = getattr(inner, "weighs_rows", False)
 
     def __call__(self, forward, params, pieces, scale) -> Grads:
         out = self.inner(forward, params, pieces, scale)

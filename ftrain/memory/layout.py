@@ -29,6 +29,7 @@ import torch
 from ftrain import tree
 from ftrain.optim.base import GradientTransformation, accepts_inplace
 from ftrain.step import Transform
+from ftrain.step.capabilities import COMBINES_ROWS
 
 __all__ = ["ShardLayout", "rows"]
 
@@ -80,12 +81,14 @@ class ShardLayout(Transform):
 
     name = "shard"
 
-    def uses(self, hook: str) -> bool:
-        if hook == "optimizer":
-            return self.strategy in ("zero1", "zero2")
-        if hook == "reduce":
-            return self.strategy in ("ddp", "zero1", "zero2")
-        return super().uses(hook)
+    def __post_init__(self) -> None:
+        if self.strategy not in ("ddp", "zero1", "zero2"):
+            raise ValueError(
+                f"ShardLayout({self.strategy!r}): the planner runs fsdp as it is, on fake shards."
+            )
+
+    def capabilities(self):
+        return {COMBINES_ROWS: ""}
 
     def reduce(self, grads, sums):
         if self.strategy in ("ddp", "zero1"):
@@ -98,6 +101,8 @@ class ShardLayout(Transform):
         return mine, sums.clone()
 
     def optimizer(self, optimizer: GradientTransformation) -> GradientTransformation:
+        if self.strategy == "ddp":
+            return optimizer
         world, rank = self.world, self.rank
         takes_inplace = accepts_inplace(optimizer.update)
 

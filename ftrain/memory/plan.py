@@ -5,7 +5,7 @@ every hook of every transform included (a user's own too), under ``FakeTensorMod
 have shapes and dtypes but no data, so no byte of the model is allocated and a 7-billion-parameter
 step plans in seconds on a laptop. A :class:`~ftrain.memory.tracker.LiveBytes` counter follows
 every storage the step's ops allocate and free. A probe transform, applied outermost, marks the
-phases: ``around_forward`` measures what each micro-batch's forward leaves alive for backward,
+phases: its ``forward`` hook measures what each micro-batch's forward leaves alive for backward,
 ``gradients`` the gradients the optimizer gets and where the update starts.
 
 Under ``ft.shard`` nothing is sent to the other ranks. For ``ddp``, ``zero1`` and ``zero2`` a
@@ -18,9 +18,7 @@ and its collectives go to torch's meta kernels, which send nothing.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -40,8 +38,7 @@ from ftrain.memory.tracker import (
 )
 from ftrain.state import TrainState
 from ftrain.step import Gradients, Step, Transform
-from ftrain.transforms.compile import Compile
-from ftrain.transforms.shard import Shard
+from ftrain.step.capabilities import COMPILES, DATA_PARALLEL, GATHERS_PARAMS
 
 __all__ = ["memory", "planned_step", "fake_like"]
 
@@ -64,11 +61,16 @@ class _Probe(Transform):
 
     name = "memory_probe"
 
-    @contextlib.contextmanager
-    def around_forward(self, params) -> Iterator[None]:
-        start = self.trace.live.live
-        yield
-        self.trace.activations.append(self.trace.live.live - start)
+    def forward(self, fn):
+        trace = self.trace
+
+        def measured(params, batch, state):
+            start = trace.live.live
+            out = fn(params, batch, state)
+            trace.activations.append(trace.live.live - start)
+            return out
+
+        return measured
 
     def gradients(self, g: Gradients, state: TrainState) -> Gradients:
         self.trace.gradients = _bytes(tree.leaves(g.grads))
@@ -77,15 +79,17 @@ class _Probe(Transform):
         return g
 
 
-def planned_step(step: Step) -> tuple[Step, Shard | None]:
+def planned_step(step: Step) -> tuple[Step, Transform | None]:
     """``step`` as the planner runs it: without ``ft.compile`` (planned as eager) and, but for
     ``fsdp`` (run as it is, on fake shards), without ``ft.shard`` (planned by its layout); the
     ``Shard`` transform is returned beside it."""
     if not isinstance(step, Step):
         raise TypeError(f"ft.memory(step, ...): expected an ft.Step, got {type(step).__name__}.")
-    shard = next((t for t in step.transforms if isinstance(t, Shard)), None)
-    dropped = Compile if shard is not None and shard.strategy == "fsdp" else (Compile, Shard)
-    kept = tuple(t for t in step.transforms if not isinstance(t, dropped))
+    caps = [(t, t.capabilities()) for t in step.transforms]
+    shard = next((t for t, c in caps if DATA_PARALLEL in c), None)
+    fsdp = shard is not None and GATHERS_PARAMS in shard.capabilities()
+    dropped = (COMPILES,) if fsdp else (COMPILES, DATA_PARALLEL)
+    kept = tuple(t for t, c in caps if not any(d in c for d in dropped))
     return dataclasses.replace(step, transforms=kept), shard
 
 

@@ -5,12 +5,14 @@
     step = ft.accumulate(step, 4)                    # a built-in transform
     step = MyTransform(...)(step)                    # yours: the same protocol
     state, metrics = step(state, batch)
+    print(step.explain())                            # which hook runs where, in order
 """
 
+from ftrain.step import capabilities
 from ftrain.step.engine import AutogradEngine, BackwardPlan, GradEngine, Grads, backward_plan
 from ftrain.step.func_engine import FuncEngine
-from ftrain.step.record import Step, train_step
-from ftrain.step.transform import Gradients, StepFn, Transform
+from ftrain.step.record import Resolved, Step, train_step
+from ftrain.step.transform import HOOKS, STAGES, Gradients, LossCall, StepFn, Transform
 
 __all__ = [
     "AutogradEngine",
@@ -19,9 +21,14 @@ __all__ = [
     "GradEngine",
     "Gradients",
     "Grads",
+    "HOOKS",
+    "LossCall",
+    "Resolved",
+    "STAGES",
     "Step",
     "StepFn",
     "Transform",
     "backward_plan",
+    "capabilities",
     "train_step",
 ]

@@ -49,10 +49,8 @@ class GradEngine(Protocol):
     each piece and differentiate the summed ``Loss.total`` with respect to ``params`` (times
     ``scale`` when given, a 0-d tensor). A parameter the loss does not use gets a zero gradient.
 
-    An engine may set ``weighs_rows = True``: it gives every row of a batch the same weight by
-    design (DP-SGD clips each example's gradient, so each example counts once). The step then
-    does not warn that a plain scalar loss is weighted by rows (``ScalarLossWarning``): there it
-    is what the engine means, not a trap."""
+    A transform that swaps in an engine of its own declares ``REPLACES_ENGINE``; one whose engine
+    gives every row the same weight by design (DP-SGD's clipped sum) declares ``WEIGHS_ROWS``."""
 
     def __call__(
         self,
@@ -64,22 +62,19 @@ class GradEngine(Protocol):
 
 
 class BackwardPlan:
-    """What the engine decides about one micro-batch's backward, for code that runs during it.
+    """What the engine decided about one micro-batch's backward, for code that runs during it.
 
     ``reweight``: the engine backpropagates the micro-batch's mean and multiplies the gradients
     by its count afterwards (see :class:`AutogradEngine`); gradients reduced across processes
     *during* backward (fsdp's reduce-scatter) must then stay local, to be reduced after. Decided
-    after the forward: read it during backward, from an object captured in the forward (backward
-    may run on autograd's worker threads, which see no scoped value). ``reduced_in_backward``:
-    set in the forward by code that will reduce gradients during backward; the engine then
-    reweights only where a loss scale forces it.
+    after the forward: read it during backward, from the object :func:`backward_plan` returned
+    in the forward (backward may run on autograd's worker threads, which see no scoped value).
     """
 
-    __slots__ = ("reweight", "reduced_in_backward")
+    __slots__ = ("reweight",)
 
     def __init__(self) -> None:
         self.reweight = False
-        self.reduced_in_backward = False
 
 
 _PLAN: Scoped[BackwardPlan | None] = Scoped("ftrain.step.engine backward plan", None)
@@ -113,8 +108,13 @@ class AutogradEngine:
     overflow fp16 for large counts; and when the loss function returned a bf16/fp16 scalar mean,
     where the count would be rounded on its way into the graph (257 rows is 256 in bf16: every
     gradient off by 256/257), unless the gradients are reduced across processes during backward
-    (then the sum is backpropagated). Each micro-batch's :class:`BackwardPlan` says which.
+    (then the sum is backpropagated; ``reduced_in_backward``, which the step sets when a
+    transform declares ``REDUCES_IN_BACKWARD``). Each micro-batch's :class:`BackwardPlan` says
+    which.
     """
+
+    def __init__(self, reduced_in_backward: bool = False):
+        self.reduced_in_backward = reduced_in_backward
 
     def __call__(
         self,
@@ -135,7 +135,7 @@ class AutogradEngine:
             with _PLAN.using(plan):
                 loss, low_mean = forward(p_in, piece)
             # a loss scale forces it; a low-precision mean only where gradients stay local
-            plan.reweight = scale is not None or (low_mean and not plan.reduced_in_backward)
+            plan.reweight = scale is not None or (low_mean and not self.reduced_in_backward)
             if plan.reweight:
                 n = nonzero(loss.count.detach().to(torch.float32))
                 factor = 1.0 / n if scale is None else scale / n
@@ -165,4 +165,6 @@ class AutogradEngine:
         return Grads(grads, total, count, aux, owned)
 
     def __repr__(self) -> str:
+        if self.reduced_in_backward:
+            return "AutogradEngine(reduced_in_backward=True)"
         return "AutogradEngine()"

@@ -1,13 +1,14 @@
 """The train step as data: ``Step(loss_fn, optimizer, transforms)``, and ``train_step``.
 
 Calling a step runs one optimizer step in phases; the hooks of its transforms
-(:class:`ftrain.Transform`) act on each phase, in the order the transforms were applied:
+(:class:`ftrain.Transform`) act on each phase, in the order the transforms were applied
+(``step.explain()`` prints the order a given step resolves to):
 
 1. **set-up**  ``init`` hooks add their entries to ``state.extra``; the random generators are
-   seeded from ``(state.rng, state.step)`` (``ftrain.rng``); ``around_step`` contexts are entered.
-2. **forward** the batch is ``split`` into pieces; for each, ``loss_fn(params, piece)`` runs under
-   the ``around_forward`` contexts (params from the ``loss_params`` hooks; ``ft.apply`` runs the
-   model's ``rewrite``), and its result is normalized into an ``ft.Loss`` (a sum and its count).
+   seeded from ``(state.rng, state.step)`` (``ftrain.rng``); the ``"eager"`` wraps run.
+2. **forward** the batch is ``split`` into pieces; for each, ``loss_fn(params, piece)`` runs
+   inside the ``forward`` hooks (contexts, other params, the model ``ft.apply`` runs rewritten),
+   and its result is normalized into an ``ft.Loss`` (a sum and its count).
 3. **grad**    the gradient ``engine`` differentiates the summed totals (times any ``loss_scale``)
    with respect to leaf copies of the params, one backward per piece, into one buffer.
 4. **reduce**  ``reduce`` hooks sum gradients, totals and counts across processes; then *one*
@@ -16,44 +17,51 @@ Calling a step runs one optimizer step in phases; the hooks of its transforms
    state); the optimizer's pure update and ``params + updates`` follow, with no host sync.
 
 Phases 2-5 are :meth:`Step.core` (:meth:`Step.backward`, then :meth:`Step.finish`), which the
-``wrap`` hooks (compile, ema) wrap into the function the call runs.
+``wrap`` hooks wrap into the function the call runs: the ``"traced"`` ones, the compiler's
+(``"compile"``), then the ``"eager"`` ones.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 from tensordict import TensorDict
 
 from ftrain import foreach, rng, tree
-from ftrain.apply import ApplyCache, caching, rewriting
+from ftrain.apply import ApplyCache, caching
 from ftrain.losses import Loss, RowMean, as_loss, warn_row_weighted
 from ftrain.optim.base import GradientTransformation, LeafContext, leaf_apply
 from ftrain.optim.transforms import global_norm
 from ftrain.state import TrainState
+from ftrain.step import capabilities, explain
 from ftrain.step.engine import AutogradEngine, Grads, nonzero
-from ftrain.step.transform import Gradients, StepFn, Transform
+from ftrain.step.transform import STAGES, Gradients, LossCall, StepFn, Transform
 
-__all__ = ["Step", "train_step"]
+__all__ = ["Step", "Resolved", "train_step"]
 
 
-class _Hooks(NamedTuple):
-    """The transforms acting in each phase, worked out once when the step is built."""
+class Resolved(NamedTuple):
+    """The transforms acting in each phase, worked out once when the step is built
+    (``step.resolved``; :meth:`Step.explain` prints it)."""
 
     init: tuple[Transform, ...]
-    around_step: tuple[Transform, ...]
     split: tuple[Transform, ...]
-    loss_params: tuple[Transform, ...]
-    around_forward: tuple[Transform, ...]
-    rewrites: tuple[Transform, ...]  # by rewrite_order, then as applied
-    loss_scale: Transform | None
+    forward: tuple[Transform, ...]  # innermost first (capabilities.forward_rank, then as applied)
+    loss_scale: tuple[Transform, ...]
     reduce: tuple[Transform, ...]
     gradients: tuple[Transform, ...]
+    wrap: tuple[tuple[str, Transform], ...]  # (stage, transform), innermost first
+    optimizer: tuple[Transform, ...]
+    engine: tuple[Transform, ...]
+    combines_rows: tuple[Transform, ...]  # declare COMBINES_ROWS (and no WEIGHS_ROWS in the step)
+    gradient_engine: object  # what the engine hooks made of the default one
+
+
+def _overrides(t: Transform, hook: str) -> bool:
+    return getattr(type(t), hook) is not getattr(Transform, hook)
 
 
 @dataclasses.dataclass(frozen=True, eq=False, repr=False)
@@ -73,26 +81,43 @@ class Step:
     def __post_init__(self) -> None:
         _check_fields(self)
         ts = self.transforms
-        for i, t in enumerate(ts):
-            t.check(ts[:i], ts[i + 1 :])
-        using = {h: tuple(t for t in ts if t.uses(h)) for h in _Hooks._fields if h != "rewrites"}
-        scalers = using["loss_scale"]
-        if len(scalers) > 1:
-            raise ValueError(
-                f"{' and '.join(f'ft.{t.name}' for t in scalers)} both scale the loss; one "
-                "loss scale per step (fp16 autocast brings its own)."
-            )
-        rewrites = sorted((t for t in ts if t.uses("rewrite")), key=lambda t: t.rewrite_order)
-        hooks = _Hooks(
-            **{**using, "loss_scale": scalers[0] if scalers else None}, rewrites=tuple(rewrites)
-        )
-        optimizer, engine = self.optimizer, AutogradEngine()
+        capabilities.check_combination(ts)
+        per_call = {
+            h: tuple(t for t in ts if _overrides(t, h))
+            for h in ("init", "split", "loss_scale", "reduce", "gradients")
+        }
+        optimizer, engine = self.optimizer, AutogradEngine(capabilities.reduces_in_backward(ts))
+        swapped: dict[str, list[Transform]] = {"optimizer": [], "engine": []}
         for t in ts:
-            optimizer = t.optimizer(optimizer) if t.uses("optimizer") else optimizer
-            engine = t.engine(engine) if t.uses("engine") else engine
+            new_opt, new_engine = t.optimizer(optimizer), t.engine(engine)
+            if new_opt is not optimizer:
+                swapped["optimizer"].append(t)
+            if new_engine is not engine:
+                swapped["engine"].append(t)
+            optimizer, engine = new_opt, new_engine
+        call: LossCall = _call_loss_fn(self.loss_fn)
+        forwards = []
+        for t in sorted(ts, key=capabilities.forward_rank):
+            new = t.forward(call)
+            if new is not call:
+                forwards.append(t)
+            call = new
+        combines = () if not capabilities.weights_rows(ts) else tuple(
+            t for t, _ in capabilities.notes(ts, capabilities.COMBINES_ROWS)
+        )
+        resolved = Resolved(
+            **per_call,
+            forward=tuple(forwards),
+            wrap=(),  # filled in below: a wrap hook may read the rest (ft.compile does)
+            optimizer=tuple(swapped["optimizer"]),
+            engine=tuple(swapped["engine"]),
+            combines_rows=combines,
+            gradient_engine=engine,
+        )
         derived = {
-            "_hooks": hooks,
+            "resolved": resolved,
             "_engine": engine,
+            "_call": call,
             "_apply": leaf_apply(optimizer),
             "_cache": ApplyCache(),
             "_notices": _Notices(),
@@ -100,9 +125,15 @@ class Step:
         for name, value in derived.items():
             object.__setattr__(self, name, value)
         fn: StepFn = self.core
-        for t in sorted((t for t in ts if t.uses("wrap")), key=lambda t: t.wrap_order):
-            fn = t.wrap(fn)
+        wraps = []
+        for stage in STAGES:
+            for t in ts:
+                new = t.wrap(fn, stage)
+                if new is not fn:
+                    wraps.append((stage, t))
+                fn = new
         object.__setattr__(self, "_fn", fn)
+        object.__setattr__(self, "resolved", resolved._replace(wrap=tuple(wraps)))
 
     # -- building ---------------------------------------------------------------------------
     def add(self, transform: Transform) -> Step:
@@ -114,6 +145,15 @@ class Step:
     def names(self) -> tuple[str, ...]:
         """The names of the transforms applied, innermost first."""
         return tuple(t.name for t in self.transforms)
+
+    def explain(self) -> str:
+        """The resolved pipeline, one line per hook in the order they run: the transforms whose
+        hook acts there and whether it runs eagerly or compiled (``ftrain.step.explain``)."""
+        return explain.explain(self)
+
+    def explain_rows(self) -> list[explain.Row]:
+        """:meth:`explain` as data: ``Row(phase, hook, transforms, runs)`` per hook, in order."""
+        return explain.rows(self)
 
     def __repr__(self) -> str:
         name = getattr(self.loss_fn, "__qualname__", repr(self.loss_fn))
@@ -127,58 +167,30 @@ class Step:
         Calling the step does this itself; call it up front to give a compiled step its final
         state structure from the first call, or to save a state before the first step.
         """
-        for t in self._hooks.init:
+        for t in self.resolved.init:
             state = t.init(state)
         return state
-
-    @contextlib.contextmanager
-    def around_step(self, state: TrainState) -> Iterator[None]:
-        """The transforms' ``around_step`` contexts, entered in order (what a call runs inside)."""
-        with contextlib.ExitStack() as stack:
-            for t in self._hooks.around_step:
-                stack.enter_context(t.around_step(state))
-            yield
 
     def split(self, batch: Any) -> list[Any]:
         """The pieces (micro-batches) the step runs forward and backward one at a time."""
         pieces = [batch]
-        for t in self._hooks.split:
+        for t in self.resolved.split:
             pieces = [q for p in pieces for q in t.split(p)]
         return pieces
 
     def forward(self, params: TensorDict, batch: Any, state: TrainState | None = None) -> Loss:
-        """The loss of one piece: ``loss_fn(params, batch)`` under the ``around_forward`` contexts,
-        with the model rewritten as the transforms say, normalized into an ``ft.Loss``. The
-        params are the step's own (``state.params`` or leaf copies of them), given to the
-        ``loss_params`` hooks with ``state``, which a step with such hooks (``ft.lora``) needs."""
-        if self._hooks.loss_params:
-            if state is None:
-                names = ", ".join(f"ft.{t.name}" for t in self._hooks.loss_params)
-                raise TypeError(
-                    f"Step.forward(params, batch, state): {names} make the loss function's "
-                    "params from the state; pass the state."
-                )
-            forward = _with_loss_params(self._forward, self._hooks.loss_params, state)
-            return forward(params, batch)[0]
-        return self._forward(params, batch)[0]
+        """The loss of one piece: ``loss_fn(params, batch)`` inside the transforms' ``forward``
+        hooks (contexts, other params, the model rewritten), normalized into an ``ft.Loss``. The
+        params are the step's own (``state.params`` or leaf copies of them); ``state`` is what
+        hooks that read it get (``ft.lora`` takes its frozen base from it)."""
+        return self._forward(params, batch, state)[0]
 
-    def _forward(self, params: TensorDict, batch: Any, pieces: int = 0) -> tuple[Loss, bool]:
+    def _forward(
+        self, params: TensorDict, batch: Any, state: TrainState | None, pieces: int = 0
+    ) -> tuple[Loss, bool]:
         """:meth:`forward`, and whether the loss function returned a bf16/fp16 mean. ``pieces``:
         how many pieces this one is among when the step combines them (0: it does not care)."""
-        contexts = [t.around_forward for t in self._hooks.around_forward]
-        rewrites = self._hooks.rewrites
-        if rewrites:
-            with rewriting(rewrites) as calls:
-                out = _within(contexts, params, lambda: self.loss_fn(params, batch))
-            if not calls.count:
-                names = ", ".join(f"ft.{t.name}" for t in rewrites)
-                raise RuntimeError(
-                    f"{names} acts on the model that the loss function calls through "
-                    "ft.apply(model, params, ...), but the loss function never called ft.apply. "
-                    "Call the model through ft.apply."
-                )
-        else:
-            out = _within(contexts, params, lambda: self.loss_fn(params, batch))
+        out = self._call(params, batch, state)
         raw = out[0] if isinstance(out, tuple) and not isinstance(out, (Loss, RowMean)) else out
         if pieces and isinstance(raw, torch.Tensor):  # a plain scalar, weighted by rows
             self._row_weighted(pieces)
@@ -194,23 +206,28 @@ class Step:
             self._notices.pending = pieces
         elif not self._notices.told:
             self._notices.told = True
-            hooks = self._hooks
+            hooks = self.resolved
             warn_row_weighted(
                 self.loss_fn,
                 pieces,
                 [f"ft.{t.name}" for t in hooks.split],
-                [f"ft.{t.name}" for t in hooks.reduce],
+                [f"ft.{t.name}" for t in hooks.combines_rows],
             )
 
     @property
     def piecewise(self) -> bool:
-        """The batch is split and each piece's :meth:`backward` alone sums to that of all."""
-        return bool(self._hooks.split) and type(self._engine) is AutogradEngine
+        """The batch is split and each piece's :meth:`backward` alone sums to that of all (no
+        transform replaces the gradient engine, which may look at all pieces at once)."""
+        return bool(self.resolved.split) and not capabilities.replaces_engine(self.transforms)
 
     def loss_scale(self, state: TrainState) -> torch.Tensor | None:
         """The 0-d tensor the loss is multiplied by before backward (fp16's), or None."""
-        scaler = self._hooks.loss_scale
-        return scaler.loss_scale(state) if scaler is not None else None
+        scale = None
+        for t in self.resolved.loss_scale:
+            mine = t.loss_scale(state)
+            if mine is not None:
+                scale = mine if scale is None else scale * mine
+        return scale
 
     def core(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
         """Phases 2-5 (forward, grad, reduce, update), without the set-up or ``wrap`` hooks:
@@ -221,14 +238,12 @@ class Step:
     def backward(self, state: TrainState, pieces: list, scale, of: int | None = None) -> Grads:
         """Phases 2-3: the engine's forward and backward over ``pieces``, summed; ``of`` pieces
         in the whole step (default: these; ``ft.compile`` runs a :attr:`piecewise` one by one)."""
-        hooks = self._hooks
         of = len(pieces) if of is None else of
-        forward = self._forward
-        combined = of > 1 or hooks.reduce
-        if combined and not getattr(self._engine, "weighs_rows", False):  # check their weights
-            forward = functools.partial(self._forward, pieces=of)
-        if hooks.loss_params:  # what the loss function sees besides the differentiated params
-            forward = _with_loss_params(forward, hooks.loss_params, state)
+        pieces_of = of if (of > 1 or self.resolved.combines_rows) else 0  # check their weights
+
+        def forward(params: TensorDict, piece: Any) -> tuple[Loss, bool]:
+            return self._forward(params, piece, state, pieces_of)
+
         return self._engine(forward, state.params, pieces, scale)
 
     def finish(
@@ -236,7 +251,7 @@ class Step:
     ) -> tuple[TrainState, dict[str, torch.Tensor]]:
         """Phases 4-5 from ``out``, the whole batch's :meth:`backward` with loss ``scale``: the
         reduction, the one division by the count, the ``gradients`` hooks and the update."""
-        hooks = self._hooks
+        hooks = self.resolved
         grads, total, count, aux, owned = out
         if hooks.reduce:  # phase 4: sums across processes
             sums = torch.stack([total.float(), count.float()])
@@ -322,11 +337,7 @@ class Step:
         state = self.init_extra(state)
         device = tree.first_leaf(state.params).device
         with caching(self._cache), rng.seeded(rng.step_seed(state), device):
-            if not self._hooks.around_step:
-                out = self._fn(state, batch)
-            else:
-                with self.around_step(state):
-                    out = self._fn(state, batch)
+            out = self._fn(state, batch)
         if self._notices.pending:  # noted while a compiled step was traced
             self._row_weighted(self._notices.pending)
             self._notices.pending = 0
@@ -366,26 +377,13 @@ def _check_fields(step: Step) -> None:
             raise TypeError(f"Step(transforms=...): item {i} is {t!r}, not an ft.Transform.")
 
 
-def _within(factories: list[Callable], arg: Any, fn: Callable[[], Any]) -> Any:
-    """``fn()`` inside the contexts ``factory(arg)`` of ``factories``, the first outermost.
+def _call_loss_fn(loss_fn: Callable[..., Any]) -> LossCall:
+    """The innermost call the ``forward`` hooks wrap: the loss function itself."""
 
-    Nested ``with`` statements rather than an ``ExitStack``: dynamo traces ``with torch.autocast``
-    into the graph, but breaks the graph at the explicit ``__enter__`` call an ExitStack makes."""
-    if not factories:
-        return fn()
-    with factories[0](arg):
-        return _within(factories[1:], arg, fn)
+    def call(params: TensorDict, batch: Any, state: TrainState | None) -> Any:
+        return loss_fn(params, batch)
 
-
-def _with_loss_params(forward: Callable, transforms: tuple[Transform, ...], state: TrainState):
-    """``forward`` called with the params the ``loss_params`` hooks make of the step's own."""
-
-    def forward_with(params: TensorDict, piece: Any):
-        for t in transforms:
-            params = t.loss_params(params, state)
-        return forward(params, piece)
-
-    return forward_with
+    return call
 
 
 def _whole(x: torch.Tensor) -> torch.Tensor:

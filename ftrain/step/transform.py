@@ -4,66 +4,62 @@ A transform is an immutable object with *hooks*: methods the step calls at fixed
 optimizer step. Each hook has a default that changes nothing; a transform overrides the ones it
 needs. ``transform(step)`` returns a new step with the transform applied last (outermost).
 
-========  =======================================  ===============================================
-when      hook                                     used by
-========  =======================================  ===============================================
-building  ``check(inner, outer)``                  ordering rules (each once, accumulate once)
-          ``optimizer(opt) -> opt``                ``shard`` (ZeRO runs the optimizer on shards)
-          ``wrap(fn) -> fn``                       ``compile``, ``ema``, ``vmap``, ``wrap``
-each call ``init(state) -> state``                 ``autocast`` (fp16 loss scale), ``ema``
-          ``around_step(state) -> ctx``            ``autocast`` (TF32), ``shard`` (rank stream)
-forward   ``split(batch) -> [batch, ...]``         ``accumulate``
-          ``loss_params(params, state) -> p``      ``lora`` (frozen base + adapters)
-          ``around_forward(params) -> ctx``        ``autocast`` (``torch.autocast``)
-          ``rewrite(module) -> module``            ``checkpoint``, ``shard`` (fsdp gathering)
-backward  ``engine(engine) -> engine``             the gradient engine (``AutogradEngine``)
-          ``loss_scale(state) -> tensor``          ``autocast`` (fp16)
-reduce    ``reduce(grads, sums) -> grads, sums``   ``shard`` (sums across processes)
-update    ``gradients(g, state) -> g``             ``autocast`` (skip non-finite steps); yours:
-                                                   noise, spike guards, gradient metrics
-========  =======================================  ===============================================
+Nine hooks, each changing one part of the step:
 
-``init``, ``around_step`` and the ``wrap`` of transforms applied after ``ft.compile`` (``ft.vmap``'s
-excepted: its ``wrap_order`` puts it innermost) run eagerly around the compiled function; every
-other hook runs inside it and is compiled with the step, whenever its transform was applied. Hooks run in
-the order the transforms were applied (innermost first). A transform holds no mutable
-attributes: what it remembers between steps lives in ``state.extra`` (created in ``init``), so it
-is saved, resumed, sharded and compiled like the rest of the state.
+- ``optimizer(opt) -> opt`` and ``engine(engine) -> engine`` swap a component when the step is
+  built; ``wrap(fn, stage) -> fn`` wraps the whole step function, in one of three stages
+  (:data:`STAGES`); ``forward(fn) -> fn`` wraps one call of the loss function (a context, other
+  params, the model rewritten with :func:`ftrain.apply.rewritten`).
+- ``init(state)``, ``split(batch)``, ``loss_scale(state)``, ``reduce(grads, sums)`` and
+  ``gradients(g, state)`` run on every call, at the phase their names say.
+
+What a transform does that others must know of (it computes gradients with ``torch.func``, it
+cannot be traced, it splits the batch across processes...) it *declares* in
+:meth:`Transform.capabilities`; the step checks every pair of its transforms against one table
+(:mod:`ftrain.step.capabilities`). ``step.explain()`` prints the resolved order of every hook, and
+docs/transforms.md explains each one with examples. A transform holds no mutable attributes: what
+it remembers between steps lives in ``state.extra`` (created in ``init``), so it is saved,
+resumed, sharded and compiled like the rest of the state.
 """
 
 from __future__ import annotations
 
-import contextlib
 import re
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol, runtime_checkable
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 from tensordict import TensorDict
-from torch import nn
 
 if TYPE_CHECKING:
     from ftrain.optim.base import GradientTransformation
     from ftrain.state import TrainState
     from ftrain.step.engine import GradEngine
 
-__all__ = ["Transform", "Gradients", "StepFn", "INNER_HOOKS"]
+__all__ = ["Transform", "Gradients", "StepFn", "LossCall", "STAGES", "HOOKS"]
 
 StepFn = Callable[[Any, Any], tuple[Any, dict[str, torch.Tensor]]]
+# One call of the loss function as the forward hooks see it: (params, batch, state) -> its output.
+LossCall = Callable[[Any, Any, Any], Any]
 
-# The hooks that act inside the step function (ft.compile compiles them, wherever it was applied).
-INNER_HOOKS = (
+# Where a ``wrap`` hook acts: "traced" wraps the step's core and is compiled with it under
+# ft.compile; "compile" is the compiler's own (ft.compile); "eager" wraps the outside and always
+# runs eagerly (seeding and process-wide settings belong there). Each transform's wrap is called
+# once per stage, innermost stage first.
+STAGES = ("traced", "compile", "eager")
+
+# The hooks, in the order of the phases they act in (what Step.explain() reports).
+HOOKS = (
     "optimizer",
-    "split",
-    "loss_params",
-    "around_forward",
-    "rewrite",
     "engine",
+    "wrap",
+    "init",
+    "split",
+    "forward",
     "loss_scale",
     "reduce",
     "gradients",
 )
-
 
 class Gradients(NamedTuple):
     """What the ``gradients`` hook sees and returns: the step's result so far, between the
@@ -104,25 +100,13 @@ def _snake(name: str) -> str:
 class Transform:
     """Base class of transforms: every hook does nothing. Subclass it and override hooks.
 
-    Class attributes:
-        name: used in messages and ``repr`` (default: the class name in snake case).
-        once: applying a second transform of this class to one step is an error.
-        rewrite_order: where this transform's :meth:`rewrite` runs among others: lower first,
-            closer to the module's own code. fsdp's gathering (-1) runs inside activation
-            checkpointing (0), so that a recomputed block gathers its parameters again.
-        wrap_order: where this transform's :meth:`wrap` sits among others: lower inside, then as
-            applied. ``ft.vmap`` (-1) is innermost, so ``ft.compile`` (0) compiles the vmapped
-            step in either order, and every other wrap sees the stacked state.
-
-    Keep a transform immutable (a frozen dataclass is a good fit), check its arguments in
+    Class attribute ``name``: used in messages and ``repr`` (default: the class name in snake
+    case). Keep a transform immutable (a frozen dataclass is a good fit), check its arguments in
     ``__init__``/``__post_init__``, and keep metrics as 0-d tensors (no ``.item()``: a host sync,
     and a graph break under compile).
     """
 
     name: str = ""
-    once: ClassVar[bool] = False
-    rewrite_order: ClassVar[int] = 0
-    wrap_order: ClassVar[int] = 0
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -143,32 +127,36 @@ class Transform:
             )
         return step.add(self)
 
-    def uses(self, hook: str) -> bool:
-        """Whether this transform acts in ``hook`` (by default: whether its class overrides it).
-        Override to opt out per instance (``autocast`` to bf16 has no loss scale)."""
-        return getattr(type(self), hook) is not getattr(Transform, hook)
+    def capabilities(self) -> Mapping[str, str]:
+        """What this transform does that other transforms must know of: capability -> note
+        (``""``, or a detail that messages quote). The sentences of
+        :mod:`ftrain.step.capabilities`, or your own (exclusive: a second transform declaring
+        it is refused, which is how "apply once" is said)."""
+        return {}
 
-    def compile_refusal(self) -> str | None:
-        """Why ``torch.compile`` cannot compile a step holding this transform, or None (it can)."""
-        return None
-
-    # -- building -----------------------------------------------------------------------------
-    def check(self, inner: tuple[Transform, ...], outer: tuple[Transform, ...]) -> None:
-        """Ordering rules, checked whenever a transform is added to the step: ``inner`` were
-        applied before this one, ``outer`` after. Raise ``ValueError`` saying which order works.
-        The default enforces ``once``."""
-        if self.once and any(type(t) is type(self) for t in (*inner, *outer)):
-            raise ValueError(
-                f"ft.{self.name} was applied twice; apply it once, with the settings you want."
-            )
-
+    # -- building: swap a component or wrap the whole step ------------------------------------
     def optimizer(self, optimizer: GradientTransformation) -> GradientTransformation:
         """The optimizer the step runs, given the one inside (e.g. run on shards)."""
         return optimizer
 
-    def wrap(self, fn: StepFn) -> StepFn:
-        """The step function ``(state, batch) -> (state, metrics)`` wrapping ``fn``. It must not
-        mutate its inputs."""
+    def engine(self, engine: GradEngine) -> GradEngine:
+        """The gradient engine, given the one inside (``ftrain.step.AutogradEngine`` by default).
+        One that computes the gradients its own way declares ``REPLACES_ENGINE``."""
+        return engine
+
+    def wrap(self, fn: StepFn, stage: str) -> StepFn:
+        """The step function ``(state, batch) -> (state, metrics)`` wrapping ``fn`` at ``stage``
+        (one of :data:`STAGES`; called once for each). Return ``fn`` itself at the stages where
+        this transform does nothing. The wrapper must not mutate its inputs."""
+        return fn
+
+    def forward(self, fn: LossCall) -> LossCall:
+        """The call of the loss function, ``fn(params, batch, state) -> loss_fn's output``,
+        wrapped: run it in a context (``torch.autocast``), with other params (``ft.lora`` adds its
+        frozen base; ``params`` are what the engine differentiates), or with the model that
+        ``ft.apply`` runs rewritten (:func:`ftrain.apply.rewritten`). Runs once per micro-batch,
+        inside the gradient engine; ``state`` is the step's input state (None when
+        ``Step.forward`` was called without one)."""
         return fn
 
     # -- each call ----------------------------------------------------------------------------
@@ -177,49 +165,15 @@ class Transform:
         (leave present ones alone: a resumed state already has them)."""
         return state
 
-    def around_step(self, state: TrainState) -> contextlib.AbstractContextManager:
-        """A context entered around the whole call (eagerly, also around a compiled step)."""
-        return contextlib.nullcontext()
-
-    # -- forward ------------------------------------------------------------------------------
     def split(self, batch: Any) -> list[Any]:
         """The pieces the batch is split into, each run forward and backward on its own."""
         return [batch]
 
-    def loss_params(self, params: TensorDict, state: TrainState) -> TensorDict:
-        """The params the loss function is called with, given the step's own (the leaf copies the
-        gradient engine differentiates, whose keys the optimizer state follows) and the state.
-        Called once per piece, inside the gradient engine: what it takes from ``state`` is used,
-        not differentiated (``ft.lora`` adds its frozen base here)."""
-        return params
-
-    def around_forward(self, params: TensorDict) -> contextlib.AbstractContextManager:
-        """A context entered around each call of the loss function (once per micro-batch)."""
-        return contextlib.nullcontext()
-
-    def rewrite(self, module: nn.Module) -> nn.Module:
-        """The module ``ft.apply`` runs in place of ``module`` during the forward. Return a
-        rewritten copy (``ftrain.blocks.replace_forwards``), never a modified ``module``. The
-        step keeps the copy and uses it again while :meth:`rewrite_key` returns the same object
-        and the module is unchanged."""
-        return module
-
-    def rewrite_key(self) -> object:
-        """What :meth:`rewrite` depends on besides the module and this transform (compared by
-        identity; default None). fsdp's copy gathers in the current step's session."""
-        return None
-
-    # -- backward -----------------------------------------------------------------------------
-    def engine(self, engine: GradEngine) -> GradEngine:
-        """The gradient engine, given the one inside (``ftrain.step.AutogradEngine`` by default)."""
-        return engine
-
     def loss_scale(self, state: TrainState) -> torch.Tensor | None:
         """A 0-d tensor the loss is multiplied by before backward (the gradients are divided by it
-        after), or None. At most one transform of a step scales the loss."""
+        after), or None. Declare ``SCALES_LOSS``: one transform of a step scales the loss."""
         return None
 
-    # -- reduce and update --------------------------------------------------------------------
     def reduce(
         self, grads: list[torch.Tensor], sums: torch.Tensor
     ) -> tuple[list[torch.Tensor], torch.Tensor]:

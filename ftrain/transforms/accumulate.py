@@ -7,6 +7,7 @@ from typing import Any
 
 from ftrain.batch import batch_rows, split_batch
 from ftrain.step import Step, Transform
+from ftrain.step.capabilities import SPLITS_BATCH
 
 __all__ = ["Accumulate", "accumulate"]
 
@@ -25,16 +26,8 @@ class Accumulate(Transform):
                 "(the number of pieces each batch is split into)."
             )
 
-    def check(self, inner, outer) -> None:
-        if any(isinstance(t, Accumulate) for t in outer):
-            return  # the outer one (the one applied later) says it
-        others = [t for t in inner if isinstance(t, Accumulate)]
-        if others:
-            k = others[0].micro_batches
-            raise ValueError(
-                f"ft.accumulate: the step already accumulates over {k} micro-batches. Apply "
-                f"accumulate once, with micro_batches={k * self.micro_batches}."
-            )
+    def capabilities(self):
+        return {SPLITS_BATCH: f"micro_batches={self.micro_batches}"}
 
     def split(self, batch: Any) -> list[Any]:
         k = self.micro_batches

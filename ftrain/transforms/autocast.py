@@ -12,6 +12,7 @@ from ftrain import tree
 from ftrain.optim.base import all_finite
 from ftrain.state import TrainState
 from ftrain.step import Gradients, Step, Transform
+from ftrain.step.capabilities import SCALES_LOSS, SETS_PRECISION
 
 __all__ = ["Autocast", "autocast", "DynamicLossScale", "StaticLossScale"]
 
@@ -108,15 +109,15 @@ def _tf32_enabled():
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Autocast(Transform):
-    """Mixed precision (see :func:`autocast`): ``around_forward`` enters ``torch.autocast``;
-    with fp16, ``init``/``loss_scale``/``gradients`` keep and apply the loss scale and skip
-    non-finite steps; with ``tf32``, ``around_step`` allows TF32 matmuls."""
+    """Mixed precision (see :func:`autocast`): the ``forward`` hook enters ``torch.autocast``;
+    with ``tf32``, ``wrap`` at the eager stage allows TF32 matmuls for the call. A loss scale
+    (fp16) is :class:`LossScaled`'s, which :func:`autocast` builds."""
 
     dtype: torch.dtype = torch.bfloat16
     scaler: DynamicLossScale | StaticLossScale | None = None
     tf32: bool = False
 
-    once = True
+    name = "autocast"
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -137,15 +138,50 @@ class Autocast(Transform):
                     f"ft.autocast: a loss scale only applies to torch.float16; "
                     f"{_DTYPES[self.dtype]} needs no loss scaling. Drop the argument."
                 )
+            if not isinstance(self, LossScaled):
+                raise TypeError(
+                    "Autocast(scaler=...): the loss scale's hooks are LossScaled's; build it with "
+                    "ft.autocast(step, torch.float16, loss_scale=...)."
+                )
+        elif isinstance(self, LossScaled):
+            raise TypeError("LossScaled(scaler=None): give it a DynamicLossScale or StaticLossScale.")
 
-    def uses(self, hook: str) -> bool:
-        if hook in ("init", "loss_scale", "gradients"):
-            return self.scaler is not None
-        if hook == "around_forward":
-            return self.dtype is not torch.float32
-        if hook == "around_step":
-            return self.tf32
-        return super().uses(hook)
+    def capabilities(self):
+        return {SETS_PRECISION: _DTYPES[self.dtype]}
+
+    def wrap(self, fn, stage: str):
+        if stage != "eager" or not self.tf32:
+            return fn
+
+        def with_tf32(state, batch):
+            with _tf32_enabled():
+                return fn(state, batch)
+
+        return with_tf32
+
+    def forward(self, fn):
+        if self.dtype is torch.float32:
+            return fn
+        dtype = self.dtype
+
+        def autocast_call(params, batch, state):
+            device = tree.first_leaf(params).device
+            with torch.autocast(device_type=device.type, dtype=dtype):
+                return fn(params, batch, state)
+
+        return autocast_call
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LossScaled(Autocast):
+    """fp16 autocast with a loss scale: ``init`` keeps the scale in ``state.extra["loss_scale"]``,
+    ``loss_scale`` gives it to the engine, ``gradients`` skips a step whose gradients are not
+    finite and updates the scale (see :func:`autocast`)."""
+
+    name = "autocast"
+
+    def capabilities(self):
+        return {**super().capabilities(), SCALES_LOSS: type(self.scaler).__name__}
 
     def init(self, state: TrainState) -> TrainState:
         if "loss_scale" in state.extra.keys():
@@ -153,13 +189,6 @@ class Autocast(Transform):
         extra = state.extra.clone(recurse=False)
         extra["loss_scale"] = self.scaler.init()
         return state.replace(extra=extra)
-
-    def around_step(self, state: TrainState):
-        return _tf32_enabled()
-
-    def around_forward(self, params):
-        device = tree.first_leaf(params).device
-        return torch.autocast(device_type=device.type, dtype=self.dtype)
 
     def loss_scale(self, state: TrainState) -> torch.Tensor:
         return self.scaler.scale(state.extra)
@@ -220,4 +249,4 @@ def autocast(
             f"{_DTYPES[dtype]} needs no loss scaling. Drop the argument."
         )
 
-    return Autocast(dtype, scaler, tf32)(step)
+    return (LossScaled if scaler is not None else Autocast)(dtype, scaler, tf32)(step)

@@ -19,9 +19,11 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
+from ftrain.apply import rewritten
 from ftrain.blocks import find_blocks, replace_forwards
 from ftrain.models.onednn import MATMUL_OPS
 from ftrain.step import Step, Transform
+from ftrain.step.capabilities import RECOMPUTES, SAVED_TENSOR_HOOKS
 
 __all__ = ["Checkpoint", "checkpoint", "POLICIES", "SAVE_OPS"]
 
@@ -63,12 +65,11 @@ def _selective_contexts():
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Checkpoint(Transform):
-    """Recompute each block in backward (the ``rewrite`` hook); see :func:`checkpoint`."""
+    """Recompute each block in backward (the ``forward`` hook runs the model rewritten by
+    :meth:`rewrite`); see :func:`checkpoint`."""
 
     policy: str = "blocks"
     modules: tuple[type[nn.Module], ...] | None = None
-
-    once = True
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -88,12 +89,17 @@ class Checkpoint(Transform):
                 )
         object.__setattr__(self, "modules", modules)
 
-    def uses(self, hook: str) -> bool:
-        if hook == "rewrite":
-            return self.policy != "none"
-        return super().uses(hook)
+    def capabilities(self):
+        if self.policy == "none":
+            return {RECOMPUTES: "policy='none'"}
+        return {RECOMPUTES: f"policy={self.policy!r}", SAVED_TENSOR_HOOKS: ""}
+
+    def forward(self, fn):
+        return fn if self.policy == "none" else rewritten(fn, self, "ft.checkpoint")
 
     def rewrite(self, module: nn.Module) -> nn.Module:
+        """A copy of ``module`` whose blocks run through ``torch.utils.checkpoint`` (what
+        ``ft.apply`` runs in the forward; ``module`` is left as it was)."""
         blocks = find_blocks(module, self.modules)
         if not blocks:
             how = (

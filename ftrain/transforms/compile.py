@@ -11,14 +11,15 @@ import torch
 from ftrain import foreach, tree
 from ftrain.dynamo import refused_rematerialization, tracing_autograd
 from ftrain.step import Grads, Step, StepFn, Transform
+from ftrain.step.capabilities import COMPILES
 from ftrain.step.engine import add_aux
 
 __all__ = ["Compile", "compile"]
 
 
 class Compile(Transform):
-    """The ``wrap`` hook: ``torch.compile`` of the step's function (under ``ft.accumulate``, of
-    one micro-batch and of the update); see :func:`compile`. Immutable: its ``torch.compile``
+    """The ``wrap`` hook at the ``"compile"`` stage: ``torch.compile`` of the step's function
+    (under ``ft.accumulate``, of one micro-batch and of the update); see :func:`compile`. Immutable: its ``torch.compile``
     options are a read-only mapping."""
 
     name = "compile"
@@ -29,17 +30,12 @@ class Compile(Transform):
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"ft.compile's transform is immutable; build a new one ({name}).")
 
-    def check(self, inner, outer) -> None:
-        if any(isinstance(t, Compile) for t in (*inner, *outer)):
-            raise ValueError(
-                "ft.compile was applied twice; the step is already compiled. Apply it once, last."
-            )
-        for t in (*inner, *outer):
-            reason = t.compile_refusal()
-            if reason is not None:
-                raise ValueError(f"ft.compile cannot compile a step with ft.{t.name}: {reason}")
+    def capabilities(self):
+        return {COMPILES: ""}
 
-    def wrap(self, fn: StepFn) -> StepFn:
+    def wrap(self, fn: StepFn, stage: str) -> StepFn:
+        if stage != "compile":
+            return fn
         step = _bare_core(fn)
         if step is not None and step.piecewise:
             return _LoopedStep(step, self.options)
@@ -152,20 +148,19 @@ def compile(step: Step, **torch_compile_kwargs) -> Step:  # noqa: A001 - mirrors
     2-core CPU), k + 1 times a step instead of once (a step 1.22x the one graph's at k = 8 for a
     GPT whose micro-batch takes 3 ms: ``benchmarks/RESULTS.md``; less as micro-batches grow).
     The step is kept as one graph, and compile time grows with k as before, where it cannot be
-    split so:
-    a ``wrap`` hook applied before compile (``ft.ema``, ``ft.wrap``, ``ft.vmap``) wraps the
-    function ft.compile is given, which then hides the loop (apply ``ft.ema`` after
-    ``ft.compile`` to keep it split), and a gradient engine swapped in by a transform
-    (``ft.dp_sgd``'s clipped sum, ``ft.vmap``'s) may look at all pieces at once.
+    split so: a ``wrap`` at the ``"traced"`` stage (``ft.vmap``, ``ft.wrap(..., stage="traced")``)
+    wraps the function ft.compile is given, which then hides the loop, and a transform that
+    declares ``REPLACES_ENGINE`` (``ft.dp_sgd``'s clipped sum, ``ft.vmap``'s) may look at all
+    pieces at once.
 
     What is compiled does not depend on where compile sits among the transforms: every hook that
-    acts inside the step (split, forward contexts, model rewrites, the engine, loss scaling, the
-    reduction, the gradients, the optimizer) is compiled, whichever transform it comes from and
-    whenever it was applied. Only the set-up runs eagerly around the compiled function: seeding
-    from ``state.rng``, the ``init`` and ``around_step`` hooks, the micro-batch loop itself (the
-    split, the read of the loss scale, the 0-d sums of loss totals, counts and aux metrics), and
-    the ``wrap`` hooks of transforms applied *after* compile (those applied before are compiled
-    with the step; ``ft.vmap`` is always compiled: its ``wrap_order`` puts it innermost).
+    acts inside the step (split, the forward hooks, the engine, loss scaling, the reduction, the
+    gradients, the optimizer) and every ``wrap`` at the ``"traced"`` stage (``ft.vmap``) is
+    compiled, whichever transform it comes from and whenever it was applied. Only the set-up runs
+    eagerly around the compiled function: seeding from ``state.rng``, the ``init`` hooks, the
+    ``wrap`` hooks at the ``"eager"`` stage (``ft.ema``, ``ft.shard``'s seeding, TF32), and the
+    micro-batch loop itself (the split, the read of the loss scale, the 0-d sums of loss totals,
+    counts and aux metrics). ``step.explain()`` marks each hook eager or compiled.
     Learning rates and other changing hyper-parameters are tensors computed inside, so a schedule
     never triggers a recompile. Compiling twice is refused, and so is compiling a step with a
     transform that dynamo cannot trace (``ft.shard(step, "fsdp")``), in either order.

@@ -33,9 +33,8 @@ from ftrain.distributed.dtensor import dtensor, is_dtensor
 from ftrain.per_example import example_grads
 from ftrain.state import TrainState
 from ftrain.step import Gradients, Grads, Step, Transform
+from ftrain.step.capabilities import REPLACES_ENGINE, TORCH_FUNC_GRADIENTS, WEIGHS_ROWS
 from ftrain.step.engine import Forward, add_aux, nonzero
-from ftrain.transforms.checkpoint import Checkpoint
-from ftrain.transforms.shard import Shard
 
 __all__ = ["DpSgd", "dp_sgd", "ClippedSumEngine", "NOISE_STREAM"]
 
@@ -51,7 +50,6 @@ class ClippedSumEngine:
     exceeded the bound (on this process)."""
 
     l2_norm_clip: float
-    weighs_rows = True  # every example counts once: a plain scalar per row is what it means
 
     def __call__(
         self,
@@ -96,7 +94,6 @@ class DpSgd(Transform):
     noise_multiplier: float
 
     name = "dp_sgd"
-    once = True
 
     def __post_init__(self) -> None:
         for arg, low, strict in (("l2_norm_clip", 0.0, True), ("noise_multiplier", 0.0, False)):
@@ -106,40 +103,16 @@ class DpSgd(Transform):
                 legal = "a finite number > 0" if strict else "a finite number >= 0"
                 raise ValueError(f"ft.dp_sgd({arg}={v!r}): must be {legal}.")
 
-    def check(self, inner, outer) -> None:
-        super().check(inner, outer)
-        for t in (*inner, *outer):
-            if isinstance(t, Checkpoint) and t.uses("rewrite"):
-                raise ValueError(
-                    "ft.dp_sgd cannot run with ft.checkpoint: per-example gradients use "
-                    "torch.func, which refuses the saved-tensor hooks of activation "
-                    "checkpointing. Leave out ft.checkpoint and bound memory with "
-                    "ft.accumulate (fewer examples per micro-batch)."
-                )
-            if isinstance(t, Shard) and t.strategy == "fsdp":
-                raise ValueError(
-                    "ft.dp_sgd cannot run with ft.shard(step, 'fsdp'): its gathering uses "
-                    "saved-tensor hooks, which torch.func (per-example gradients) refuses. Use "
-                    "ft.shard(step, 'ddp'), 'zero1' or 'zero2'."
-                )
-        # before or after: a later engine hook could drop the clipping and keep the noise, a run
-        # that looks private and is not
-        engines = [t.name for t in (*inner, *outer) if t.uses("engine")]
-        if engines:
-            raise ValueError(
-                f"ft.dp_sgd and ft.{engines[0]} both set the step's gradient engine (ft.dp_sgd's "
-                "clips each example's gradient), so they do not compose, in either order."
-            )
-
-    def uses(self, hook: str) -> bool:
-        if hook == "gradients":
-            return self.noise_multiplier > 0
-        return super().uses(hook)
+    def capabilities(self):
+        # WEIGHS_ROWS: every example counts once, so a plain scalar loss per row is what it means
+        return {TORCH_FUNC_GRADIENTS: "", REPLACES_ENGINE: "per-example clipping", WEIGHS_ROWS: ""}
 
     def engine(self, engine):
         return ClippedSumEngine(float(self.l2_norm_clip))
 
     def gradients(self, g: Gradients, state: TrainState) -> Gradients:
+        if self.noise_multiplier == 0:
+            return g
         # the step already divided the clipped sum by the count: divide the noise by it too
         count = nonzero(g.metrics["count"].float())
         std = self.noise_multiplier * self.l2_norm_clip / count

@@ -13,15 +13,17 @@ __all__ = ["Ema", "ema"]
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Ema(Transform):
-    """``state.extra["ema"]`` follows the params (the ``init`` and ``wrap`` hooks); see :func:`ema`."""
+    """``state.extra["ema"]`` follows the params (the ``init`` hook, and ``wrap`` at the eager
+    stage: the average is taken outside any compiled graph); see :func:`ema`."""
 
     decay: float = 0.999
-
-    once = True
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.decay < 1.0:
             raise ValueError(f"ft.ema(decay={self.decay!r}): must be in [0, 1).")
+
+    def capabilities(self):
+        return {"keeps state.extra['ema']": ""}
 
     def init(self, state: TrainState) -> TrainState:
         if "ema" in state.extra.keys():
@@ -30,7 +32,9 @@ class Ema(Transform):
         extra["ema"] = state.params.clone()
         return state.replace(extra=extra)
 
-    def wrap(self, fn: StepFn) -> StepFn:
+    def wrap(self, fn: StepFn, stage: str) -> StepFn:
+        if stage != "eager":
+            return fn
         weight = 1.0 - self.decay
 
         def ema_step(state, batch):

@@ -5,7 +5,7 @@ the optimizer keeps state for) are the adapters only, and the frozen base lives 
 ``state.extra["lora", "base"]``, sharded with the rest of the state. A checkpoint needs only what
 training changed: :func:`split_base` takes the base out before saving (``ftrain train`` does) and
 :func:`join_base` puts the model's back after loading. Each forward
-(the ``loss_params`` hook) hands the loss function the base with every targeted weight replaced
+(the ``forward`` hook) hands the loss function the base with every targeted weight replaced
 by ``W + (alpha / rank) * B @ A``, so the user's ``ft.apply(model, params, ...)`` runs the model
 unchanged: no module is rewritten, and every transform composes with it as with full training.
 
@@ -60,8 +60,6 @@ class Lora(Transform):
     rank: int = 8
     alpha: float = 16.0
 
-    once = True
-
     def __post_init__(self) -> None:
         if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
             raise ValueError(f"ft.lora(rank={self.rank!r}): rank must be an int >= 1 (e.g. 8).")
@@ -110,6 +108,9 @@ class Lora(Transform):
         return state.replace(extra=extra)
 
     # -- hooks ----------------------------------------------------------------------------------
+    def capabilities(self):
+        return {"keeps state.extra['lora']": f"rank={self.rank}"}
+
     def init(self, state: TrainState) -> TrainState:
         if "lora" not in state.extra.keys():
             raise ValueError(
@@ -119,7 +120,20 @@ class Lora(Transform):
         _check_has_base(state, "ft.lora")
         return state
 
-    def loss_params(self, params: TensorDict, state: TrainState) -> TensorDict:
+    def forward(self, fn):
+        def with_base(params, batch, state):
+            if state is None:
+                raise TypeError(
+                    "Step.forward(params, batch, state): ft.lora makes the loss function's params "
+                    "from the state's frozen base; pass the state."
+                )
+            return fn(self.merged(params, state), batch, state)
+
+        return with_base
+
+    def merged(self, params: TensorDict, state: TrainState) -> TensorDict:
+        """The whole model's params the loss function sees: the frozen base in ``state`` with
+        each target's ``B @ A * scaling`` added; gradients flow to ``params`` (the adapters)."""
         base = state.extra["lora", "base"]
         values, tdef = tree.flatten(base)
         values = list(values)

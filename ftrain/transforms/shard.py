@@ -41,22 +41,31 @@ Composition:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ftrain import rng, tree
+from ftrain.apply import rewritten
 from ftrain.distributed import dp_split, fsdp
 from ftrain.distributed.collectives import all_reduce_flat
 from ftrain.distributed.dtensor import is_dtensor, like, local, on_shards
-from ftrain.distributed.launch import check_mesh, is_initialized, require_group
+from ftrain.distributed.launch import check_mesh, require_group
 from ftrain.distributed.zero import check_strategy, zero_optimizer
 from ftrain.state import TrainState
 from ftrain.step import Step, Transform
+from ftrain.step.capabilities import (
+    COMBINES_ROWS,
+    DATA_PARALLEL,
+    GATHERS_PARAMS,
+    REDUCES_IN_BACKWARD,
+    SAVED_TENSOR_HOOKS,
+    SHARDED_PARAMS,
+    SHARDED_STATE,
+    UNTRACEABLE,
+)
 
 __all__ = ["Shard", "shard"]
 
@@ -75,45 +84,62 @@ class Shard(Transform):
     mesh: Any = None
 
     name = "shard"
-    once = True
-    rewrite_order = -1  # gather inside activation checkpointing: a recomputed block gathers again
 
     def __post_init__(self) -> None:
         check_strategy(self.strategy, "shard")
-        if is_initialized():  # else check() refuses the step, after the other ordering rules
-            object.__setattr__(self, "mesh", check_mesh(self.mesh, "shard"))
-
-    def check(self, inner, outer) -> None:
-        super().check(inner, outer)
         require_group("shard")
+        object.__setattr__(self, "mesh", check_mesh(self.mesh, "shard"))
 
-    def uses(self, hook: str) -> bool:
-        if hook in ("rewrite", "around_forward"):
-            return self.strategy == "fsdp"
-        if hook == "optimizer":
-            return self.strategy != "ddp"
-        return super().uses(hook)
-
-    def compile_refusal(self) -> str | None:
-        return _FSDP_UNTRACEABLE if self.strategy == "fsdp" else None
+    def capabilities(self):
+        ranks = f"ranks {sorted(self.mesh.mesh.flatten().tolist())}"
+        caps = {DATA_PARALLEL: ranks, COMBINES_ROWS: ""}
+        if self.strategy != "ddp":
+            caps[SHARDED_STATE] = self.strategy
+        if self.strategy == "fsdp":
+            caps.update(
+                {
+                    SHARDED_PARAMS: "fsdp",
+                    GATHERS_PARAMS: "",
+                    SAVED_TENSOR_HOOKS: "fsdp",
+                    REDUCES_IN_BACKWARD: "",
+                    UNTRACEABLE: _FSDP_UNTRACEABLE,
+                }
+            )
+        return caps
 
     # -- building -----------------------------------------------------------------------------
     def optimizer(self, optimizer):
+        if self.strategy == "ddp":
+            return optimizer
         if self.strategy in ("zero1", "zero2"):
             return zero_optimizer(optimizer, self.mesh)
         return on_shards(optimizer)  # fsdp: the params, grads and state are all sharded
 
-    # -- each call ----------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def around_step(self, state: TrainState) -> Iterator[None]:
-        self._check_layout(state)
-        # dropout differs between ranks; the step's own seeding is restored when it ends
-        rng.reseed(rng.step_seed(state, self.mesh.get_local_rank() + 1), _device(state))
+    def wrap(self, fn, stage: str):
+        if stage != "eager":
+            return fn
+
+        def data_parallel(state, batch):
+            self._check_layout(state)
+            # dropout differs between ranks; the step's own seeding is restored when it ends
+            rng.reseed(rng.step_seed(state, self.mesh.get_local_rank() + 1), _device(state))
+            if self.strategy != "fsdp":
+                return fn(state, batch)
+            with fsdp.session(self.mesh):
+                return fn(state, batch)
+
+        return data_parallel
+
+    def forward(self, fn):
         if self.strategy != "fsdp":
-            yield
-            return
-        with fsdp.session(self.mesh):
-            yield
+            return fn
+        gathered = rewritten(fn, self, "ft.shard(step, 'fsdp')")
+
+        def fsdp_call(params, batch, state):
+            with fsdp.saved_as_shards(self.mesh):
+                return gathered(params, batch, state)
+
+        return fsdp_call
 
     def _check_layout(self, state: TrainState) -> None:
         """Refuse a state that ``shard_state`` did not lay out for this strategy (an unsharded
@@ -135,15 +161,14 @@ class Shard(Transform):
         # split over this mesh: a DTensor on it, or a tensor-parallel one split over its "dp"
         return any(dp_split.is_split(t, self.mesh) for t in leaves)
 
-    # -- forward ------------------------------------------------------------------------------
-    def around_forward(self, params):
-        return fsdp.saved_as_shards(self.mesh)
-
+    # -- the model rewrite ft.apply runs under fsdp (apply's Rewrite protocol) -----------------
     def rewrite(self, module):
+        """A copy of ``module`` that gathers each block's parameters from their shards."""
         return fsdp.gathering_copy(module, fsdp.current_session(self.mesh))
 
     def rewrite_key(self):
-        return fsdp.current_session(self.mesh)  # a new copy for each step's session
+        """What the copy depends on: the step's session (a new copy for each step)."""
+        return fsdp.current_session(self.mesh)
 
     # -- reduce -------------------------------------------------------------------------------
     def reduce(self, grads, sums):

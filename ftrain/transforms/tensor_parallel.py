@@ -38,14 +38,14 @@ unchanged.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from torch import nn
 
 from ftrain import tree
+from ftrain.apply import rewritten
 from ftrain.distributed.dtensor import is_dtensor, on_shards
 from ftrain.distributed.launch import require_group
 from ftrain.distributed.plans import Split, resolve_plan
@@ -62,6 +62,13 @@ from ftrain.distributed.tp_sequence import (
 )
 from ftrain.state import TrainState
 from ftrain.step import Transform
+from ftrain.step.capabilities import (
+    DATA_PARALLEL_OVER,
+    SHARDED_PARAMS,
+    SHARDED_STATE,
+    SPLITS_MATRICES,
+    UNTRACEABLE,
+)
 
 __all__ = ["TensorParallel", "tensor_parallel"]
 
@@ -80,8 +87,6 @@ class TensorParallel(Transform):
     partial: frozenset[str] = dataclasses.field(init=False, repr=False)  # their whole params
 
     name = "tensor_parallel"
-    once = True
-    rewrite_order = -2  # innermost: fsdp's gathering and checkpointing see a tensor-parallel model
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, nn.Module):
@@ -131,27 +136,21 @@ class TensorParallel(Transform):
         return lay_out_state(state, self.splits, self.mesh)
 
     # -- building -------------------------------------------------------------------------------
-    def check(self, inner, outer) -> None:
-        super().check(inner, outer)
-        dp = self.mesh["dp"] if "dp" in self.mesh.mesh_dim_names else None
-        for t in (*inner, *outer):
-            if t.name != "shard":
-                continue
-            ranks = sorted(t.mesh.mesh.flatten().tolist())
-            if dp is None or ranks != sorted(dp.mesh.flatten().tolist()):
-                s = t.strategy
-                raise ValueError(
-                    f"ft.shard(step, {s!r}, mesh=...) under ft.tensor_parallel must split the "
-                    f"batch over the mesh's 'dp' dimension (ranks {ranks} given). "
-                    f"Fix: ft.shard(step, {s!r}, mesh=mesh['dp']) with the mesh of "
-                    "ft.tensor_parallel."
-                )
-
-    def compile_refusal(self) -> str | None:
-        return (
-            "torch.compile cannot trace ft.tensor_parallel's collectives on DTensor params; run "
-            "the tensor-parallel step eagerly (leave out ft.compile)."
+    def capabilities(self):
+        dims = self.mesh.mesh_dim_names
+        over = (
+            f"ranks {sorted(self.mesh['dp'].mesh.flatten().tolist())}"
+            if "dp" in dims
+            else "none: its mesh has no 'dp' dimension"
         )
+        return {
+            SPLITS_MATRICES: f"tp={self.tp}",
+            SHARDED_PARAMS: "tensor parallel",
+            SHARDED_STATE: "tensor parallel",
+            DATA_PARALLEL_OVER: over,
+            UNTRACEABLE: "its collectives run on DTensor params; run the tensor-parallel step "
+            "eagerly",
+        }
 
     def optimizer(self, optimizer):
         return on_shards(optimizer)  # the params, grads and moments are DTensors
@@ -162,19 +161,27 @@ class TensorParallel(Transform):
         # sequence parallelism: norms (and row-parallel biases) saw this process's positions only
         return SumPartialGrads(engine, self.partial, self.mesh.get_group("tp"))
 
-    # -- each call ------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def around_step(self, state: TrainState) -> Iterator[None]:
-        leaves = tree.leaves(state.params)
-        if leaves and not (is_dtensor(leaves[0]) and leaves[0].device_mesh == self.mesh):
-            raise ValueError(
-                "ft.tensor_parallel: the state is not laid out for tensor parallelism on this "
-                "mesh. Call state = tp.shard_state(state) once, after creating or loading it "
-                "(tp = ft.tensor_parallel(model, plan, mesh))."
-            )
-        yield
+    def wrap(self, fn, stage: str):
+        if stage != "eager":
+            return fn
+
+        def laid_out(state, batch):
+            leaves = tree.leaves(state.params)
+            if leaves and not (is_dtensor(leaves[0]) and leaves[0].device_mesh == self.mesh):
+                raise ValueError(
+                    "ft.tensor_parallel: the state is not laid out for tensor parallelism on this "
+                    "mesh. Call state = tp.shard_state(state) once, after creating or loading it "
+                    "(tp = ft.tensor_parallel(model, plan, mesh))."
+                )
+            return fn(state, batch)
+
+        return laid_out
+
+    def forward(self, fn):
+        return rewritten(fn, self, "ft.tensor_parallel")
 
     def rewrite(self, module: nn.Module) -> nn.Module:
+        """The tensor-parallel copy of ``module`` that ``ft.apply`` runs (apply's Rewrite)."""
         more = []
         if self.sequence_parallel:
             more = sequence_forwards(

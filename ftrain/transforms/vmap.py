@@ -7,11 +7,11 @@ Two hooks of the public protocol do it: ``engine`` swaps the gradient engine for
 :class:`~ftrain.step.FuncEngine` (``torch.autograd.grad`` cannot run inside ``torch.func.vmap``;
 ``torch.func.grad`` can), and ``wrap`` runs the step function under ``torch.func.vmap`` with the
 state's leaves batched along their first dimension. The hooks that act inside the step (split,
-forward contexts, reduce, gradients, the optimizer) run per member, inside; ``init`` and
-``around_step`` see the stacked state. Inside, ftrain's multi-tensor kernels run per tensor
+forward hooks, reduce, gradients, the optimizer) run per member, inside; ``init`` and the
+``"eager"`` wraps see the stacked state. Inside, ftrain's multi-tensor kernels run per tensor
 (``ftrain.foreach.looped``: vmap cannot batch some of them) and ``ft.shard``'s all-reduce runs
-once on the members' buffers together. The ``wrap`` is the innermost of the step's
-(``wrap_order``), so ``ft.compile`` compiles the vmapped step whichever was applied first.
+once on the members' buffers together. The ``wrap`` acts at the ``"traced"`` stage, inside
+``ft.compile``'s, so ``ft.compile`` compiles the vmapped step whichever was applied first.
 
 Randomness: inside the vmapped step, dropout (``F.dropout``, ``nn.Dropout`` and the ``dropout_p``
 of ``F.scaled_dot_product_attention``) draws its masks from member i's own key with
@@ -41,9 +41,8 @@ from ftrain.keyed_dropout import keyed_dropout
 from ftrain.stack import members
 from ftrain.state import TrainState
 from ftrain.step import Step, StepFn, Transform
+from ftrain.step.capabilities import REPLACES_ENGINE, STACKED_STATE, TORCH_FUNC_GRADIENTS
 from ftrain.step.func_engine import FuncEngine
-from ftrain.transforms.checkpoint import Checkpoint
-from ftrain.transforms.shard import Shard
 
 __all__ = ["Vmap", "vmap"]
 
@@ -62,8 +61,6 @@ class Vmap(Transform):
 
     batch_axis: int | None = None
 
-    once = True
-    wrap_order = -1  # innermost: ft.compile, applied before or after, compiles the vmapped step
 
     def __post_init__(self) -> None:
         if self.batch_axis is not None and (
@@ -74,27 +71,19 @@ class Vmap(Transform):
                 "gets the whole batch) and 0 (the batch has a leading member dimension)."
             )
 
-    def check(self, inner, outer) -> None:
-        super().check(inner, outer)
-        for t in (*inner, *outer):
-            if isinstance(t, Checkpoint) and t.uses("rewrite"):
-                raise ValueError(f"ft.vmap cannot run a step with ft.checkpoint: {_NO_CHECKPOINT}")
-            if t.uses("engine"):
-                raise ValueError(
-                    f"ft.vmap and ft.{t.name} both set the step's gradient engine (ft.vmap "
-                    "differentiates each member with torch.func), so they do not compose, in "
-                    f"either order. Run ft.{t.name} on the members one at a time instead."
-                )
-            if isinstance(t, Shard) and t.strategy != "ddp":
-                raise ValueError(
-                    f"ft.vmap composes with ft.shard(step, 'ddp') only, not {t.strategy!r}: the "
-                    "members are replicated on every process and the batch is split. Use 'ddp'."
-                )
+    def capabilities(self):
+        return {
+            STACKED_STATE: f"batch_axis={self.batch_axis}",
+            TORCH_FUNC_GRADIENTS: "",
+            REPLACES_ENGINE: "torch.func per member",
+        }
 
     def engine(self, engine):
-        return FuncEngine()  # check() made sure no other transform sets one
+        return FuncEngine()  # REPLACES_ENGINE: no other transform of the step replaces it
 
-    def wrap(self, fn: StepFn) -> StepFn:
+    def wrap(self, fn: StepFn, stage: str) -> StepFn:
+        if stage != "traced":
+            return fn
         batch_axis = self.batch_axis
 
         def vmapped(state, batch):
