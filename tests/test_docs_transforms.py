@@ -254,3 +254,83 @@ def test_the_three_under_ddp_equal_one_process(doc):
     assert max_rel_error(ranks[0]["extra"], _flat(state.extra)) < 1e-5
     for key in ("grad_norm/blocks.0", "grad_norm/blocks.1", "spike"):
         assert max_rel_error(ranks[0]["metrics"][-1][key].float(), m[key].float()) < 1e-5
+
+
+# -- the hook tables are what the step resolves ---------------------------------------------------
+
+
+def _table(header: str) -> list[list[str]]:
+    """The rows of the markdown table whose header line starts with ``header``."""
+    lines = DOC.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header))
+    rows = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    return rows
+
+
+def _alone() -> dict[str, ft.Step]:
+    """Each built-in that needs no process group, applied alone (in a setting where it uses every
+    hook it has) to a small GPT step."""
+    model, loss_fn = _setup()
+    opt = _sgd()
+    plain = ft.train_step(loss_fn, opt)
+    lora = ft.lora(model, rank=2, targets=["attn.qkv"])
+    return {
+        "accumulate": ft.accumulate(plain, 2),
+        "checkpoint": ft.checkpoint(plain),
+        "autocast": ft.autocast(plain, torch.float16, tf32=True),
+        "compile": ft.compile(plain),
+        "ema": ft.ema(plain),
+        "wrap": ft.wrap(plain, lambda fn: lambda s, b: fn(s, b), init=lambda s: s),
+        "lora": lora(plain),
+        "dp_sgd": ft.dp_sgd(plain, 1.0, 1.0),
+        "vmap": ft.vmap(plain),
+    }
+
+
+def _acting(step: ft.Step, name: str) -> set[str]:
+    """The hooks at which the transform ``name`` acts in ``step``, as ``step.explain_rows()``
+    reports them (the three wrap stages are one hook)."""
+    rows = [r for r in step.explain_rows() if r.phase != "build" or r.hook != "capabilities"]
+    return {r.hook.split("(")[0] for r in rows if name in r.transforms}
+
+
+def test_the_hook_table_names_every_hook_once_and_the_builtins_using_each():
+    rows = _table("| hook | what it can do | used by |")
+    hooks = [re.match(r"`(\w+)\(", row[0]).group(1) for row in rows]
+    assert hooks == list(ft.step.HOOKS)
+    alone = _alone()
+    for hook, row in zip(hooks, rows):
+        listed = set(re.findall(r"`(\w+)`", row[2])) & set(alone)
+        acting = {name for name, step in alone.items() if hook in _acting(step, name)}
+        assert listed == acting, hook
+
+
+def test_the_order_table_is_what_explain_reports():
+    model, loss_fn = _setup()
+    step = ft.train_step(loss_fn, _sgd())
+    step = ft.compile(ft.checkpoint(ft.autocast(step, torch.float16)))
+    documented = [tuple(row[:3]) for row in _table("| phase | hook | runs |")]
+    assert documented == [(r.phase, r.hook, r.runs) for r in step.explain_rows()]
+
+
+def test_the_capability_table_is_what_the_builtins_declare():
+    from ftrain.step import capabilities
+
+    sentences = {getattr(capabilities, n) for n in capabilities.__all__} - {capabilities.SHAREABLE}
+    alone = {name: step.transforms[-1].capabilities() for name, step in _alone().items()}
+    rows = _table("| capability | declared by |")
+    documented = set()
+    for sentence, declared_by in rows:
+        if sentence.startswith("keeps state.extra"):
+            continue
+        assert sentence in sentences, sentence
+        documented.add(sentence)
+        listed = set(re.findall(r"`(\w+)`", declared_by)) & set(alone)
+        assert listed == {name for name, caps in alone.items() if sentence in caps}, sentence
+    assert documented == {s for s in sentences if isinstance(s, str)}
+    pairs = [(a, b) for a, b, _ in _table("| one transform | the other | why |")]
+    assert pairs == [(rule.a, rule.b) for rule in capabilities.RULES]

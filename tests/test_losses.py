@@ -236,7 +236,11 @@ def test_the_warning_comes_once_per_step_and_only_where_pieces_are_combined():
 
 
 class SumAcross(ft.Transform):
-    """A transform with a ``reduce`` hook, as ft.shard has (here with nothing to sum with)."""
+    """Sums across processes as ft.shard does (here with nothing to sum with): it declares that
+    it adds up the losses of several groups of rows."""
+
+    def capabilities(self):
+        return {ft.step.capabilities.COMBINES_ROWS: ""}
 
     def reduce(self, grads, sums):
         return grads, sums

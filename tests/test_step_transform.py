@@ -610,3 +610,32 @@ def test_forward_adds_what_the_loss_uses_but_the_step_does_not_differentiate():
     grad = 2 * (w * x + b - y) * x  # by hand: d/dw of the summed squares
     assert torch.allclose(new.params["w"], w - 0.1 * grad)
     assert list(new.params.keys()) == ["w"] and torch.equal(new.extra["frozen"], b)
+
+
+# -- the built-ins have no privileges ------------------------------------------------------------
+
+
+def test_no_builtin_transform_names_another():
+    """Which transforms combine is declared and checked in one table: no module of
+    ``ftrain.transforms`` imports another's class or compares transform names."""
+    import ast
+    from pathlib import Path
+
+    import ftrain.transforms
+
+    folder = Path(ftrain.transforms.__file__).parent
+    modules = {p.stem for p in folder.glob("*.py")} - {"__init__"}
+    for path in sorted(folder.glob("*.py")):
+        if path.stem == "__init__":
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                parts = node.module.split(".")
+                assert not (parts[:2] == ["ftrain", "transforms"] and parts[2:3] != [path.stem]), (
+                    f"{path.name} imports {node.module}"
+                )
+                if node.module == "ftrain.transforms":
+                    assert not {a.name for a in node.names} & modules, path.name
+            if isinstance(node, ast.Compare) and isinstance(node.left, ast.Attribute):
+                assert node.left.attr != "name", f"{path.name}:{node.lineno} compares a name"

@@ -206,10 +206,10 @@ def test_bad_arguments_and_orders_are_refused_when_built():
 
     # either order: an engine set after dp_sgd's could drop the clipping and keep the noise
     for build in (lambda: ft.dp_sgd(MyEngine()(plain), 1.0, 1.0), lambda: MyEngine()(step)):
-        with pytest.raises(ValueError, match="ft.dp_sgd and ft.my_engine both set"):
+        with pytest.raises(ValueError, match=r"ft\.dp_sgd replaces the gradient .*ft\.my_engine"):
             build()
     for build in (lambda: ft.vmap(step), lambda: ft.dp_sgd(ft.vmap(plain), 1.0, 1.0)):
-        with pytest.raises(ValueError, match=r"ft\.(vmap|dp_sgd) and ft\.(vmap|dp_sgd) both set"):
+        with pytest.raises(ValueError, match=r"ft\.(vmap|dp_sgd) replaces the gradient engine"):
             build()
 
 

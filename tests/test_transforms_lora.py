@@ -193,7 +193,7 @@ def test_composes_with_accumulate_checkpoint_autocast_and_compile():
         plain, state, batch
     )
     with pytest.raises(
-        TypeError, match=r"ft\.lora make the loss function's params .* pass the state"
+        TypeError, match=r"ft\.lora makes the loss function's params .* pass the state"
     ):
         plain.forward(state.params, batch)
 

@@ -5,7 +5,7 @@ capability names (the sentences below) to a note (``""`` or a detail the message
 names another transform: which declarations clash is written once, in :data:`RULES`, and the step
 checks every pair of its transforms against it when it is built. The same declarations decide the
 few things the step itself must know about its transforms (see :func:`forward_rank`,
-:func:`weights_rows`, :func:`replaces_engine`, :func:`reduces_in_backward`).
+:func:`replaces_engine`, :func:`reduces_in_backward`).
 
 **Every capability is exclusive unless listed in** :data:`SHAREABLE`: two transforms declaring
 the same one do not compose (``ft.autocast`` twice sets the precision twice). A transform of your
@@ -44,8 +44,8 @@ __all__ = [
     "Rule",
     "RULES",
     "check_combination",
+    "check_engines",
     "forward_rank",
-    "weights_rows",
     "replaces_engine",
     "reduces_in_backward",
 ]
@@ -180,6 +180,21 @@ def check_combination(transforms: Sequence[Transform]) -> None:
                             raise _conflict(p, q, rule)
 
 
+def check_engines(changed: Sequence[Transform]) -> None:
+    """``changed``: the transforms whose ``engine`` hook changed the engine. One that declares
+    ``REPLACES_ENGINE`` computes the gradients its own way, so no other may change the engine
+    (in either order: a later one could drop what the replaced engine does, e.g. DP-SGD's
+    clipping, and keep the rest)."""
+    for t in changed:
+        if REPLACES_ENGINE in t.capabilities():
+            for other in changed:
+                if other is not t:
+                    raise ValueError(
+                        f"{_said(t, REPLACES_ENGINE)} and {_name(other)} changes it too: they do "
+                        "not compose, in either order. Leave one of them out."
+                    )
+
+
 def _declares(transforms: Sequence[Transform], capability: str) -> bool:
     return any(capability in t.capabilities() for t in transforms)
 
@@ -191,12 +206,6 @@ def forward_rank(t: Transform) -> int:
     checkpointing recomputes gathers its parameters again. The rest keep the order applied."""
     caps = t.capabilities()
     return 0 if SPLITS_MATRICES in caps else 1 if GATHERS_PARAMS in caps else 2
-
-
-def weights_rows(transforms: Sequence[Transform]) -> bool:
-    """Whether the step adds up the losses of several groups of rows by their counts, so that a
-    plain scalar loss is weighted by its rows (the step then warns; ``ScalarLossWarning``)."""
-    return _declares(transforms, COMBINES_ROWS) and not _declares(transforms, WEIGHS_ROWS)
 
 
 def replaces_engine(transforms: Sequence[Transform]) -> bool:

@@ -56,7 +56,8 @@ class Resolved(NamedTuple):
     wrap: tuple[tuple[str, Transform], ...]  # (stage, transform), innermost first
     optimizer: tuple[Transform, ...]
     engine: tuple[Transform, ...]
-    combines_rows: tuple[Transform, ...]  # declare COMBINES_ROWS (and no WEIGHS_ROWS in the step)
+    combines_rows: tuple[Transform, ...]  # declare COMBINES_ROWS
+    weighs_rows: bool  # no transform declares WEIGHS_ROWS: a plain scalar's weights are checked
     gradient_engine: object  # what the engine hooks made of the default one
 
 
@@ -95,6 +96,7 @@ class Step:
             if new_engine is not engine:
                 swapped["engine"].append(t)
             optimizer, engine = new_opt, new_engine
+        capabilities.check_engines(swapped["engine"])
         call: LossCall = _call_loss_fn(self.loss_fn)
         forwards = []
         for t in sorted(ts, key=capabilities.forward_rank):
@@ -102,9 +104,7 @@ class Step:
             if new is not call:
                 forwards.append(t)
             call = new
-        combines = () if not capabilities.weights_rows(ts) else tuple(
-            t for t, _ in capabilities.notes(ts, capabilities.COMBINES_ROWS)
-        )
+        combines = tuple(t for t, _ in capabilities.notes(ts, capabilities.COMBINES_ROWS))
         resolved = Resolved(
             **per_call,
             forward=tuple(forwards),
@@ -112,6 +112,7 @@ class Step:
             optimizer=tuple(swapped["optimizer"]),
             engine=tuple(swapped["engine"]),
             combines_rows=combines,
+            weighs_rows=not capabilities.notes(ts, capabilities.WEIGHS_ROWS),
             gradient_engine=engine,
         )
         derived = {
@@ -239,7 +240,9 @@ class Step:
         """Phases 2-3: the engine's forward and backward over ``pieces``, summed; ``of`` pieces
         in the whole step (default: these; ``ft.compile`` runs a :attr:`piecewise` one by one)."""
         of = len(pieces) if of is None else of
-        pieces_of = of if (of > 1 or self.resolved.combines_rows) else 0  # check their weights
+        hooks = self.resolved
+        combined = hooks.weighs_rows and (of > 1 or hooks.combines_rows)
+        pieces_of = of if combined else 0  # check the weights a plain scalar gets
 
         def forward(params: TensorDict, piece: Any) -> tuple[Loss, bool]:
             return self._forward(params, piece, state, pieces_of)
