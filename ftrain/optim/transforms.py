@@ -31,10 +31,12 @@ from ftrain.optim.kernels import (
     zero_count,
 )
 from ftrain.optim.schedules import Schedule, as_schedule
+from ftrain.tree import TreeDef
 
 __all__ = [
     "scale",
     "scale_by_learning_rate",
+    "recorded_learning_rate",
     "scale_by_schedule",
     "trace",
     "add_decayed_weights",
@@ -75,7 +77,8 @@ def scale_by_learning_rate(
 
     ``learning_rate`` is a number or a schedule ``count -> lr`` (see ``ftrain.optim.schedules``),
     evaluated at the number of updates applied so far (0 for the first). The state holds that
-    ``count`` and the ``lr`` just used, which the train step reports as ``metrics["lr"]``.
+    ``count`` and the ``lr`` just used: the optimizer state's record of its learning rate, which
+    the train step reports as ``metrics["lr"]`` (:func:`recorded_learning_rate`).
     """
     schedule = as_schedule(learning_rate)
     sign = -1.0 if flip_sign else 1.0
@@ -96,6 +99,32 @@ def scale_by_learning_rate(
         return u, new_s
 
     return leafwise(init, update)
+
+
+def _lr_index(sdef: TreeDef) -> int | None:
+    # scale_by_learning_rate's state is {count, lr}: an `lr` leaf with a `count` sibling (a
+    # parameter named `lr` also gives `lr` leaves, inside moment trees, without one)
+    paths = set(sdef.paths)
+    return next(
+        (
+            i
+            for i, k in enumerate(sdef.paths)
+            if k.rsplit(".", 1)[-1] == "lr" and k[: -len("lr")] + "count" in paths
+        ),
+        None,
+    )
+
+
+def recorded_learning_rate(state: list[torch.Tensor], sdef: TreeDef) -> torch.Tensor:
+    """The learning rate an optimizer state records, given as its leaves and key structure: the
+    ``lr`` that :func:`scale_by_learning_rate` keeps beside its ``count`` (the first, in key
+    order, where a combinator holds several: ``partition``'s or ``muon_adamw``'s), or NaN when
+    the optimizer records none. An optimizer written without ``scale_by_learning_rate`` reports
+    its learning rate by keeping the same ``{"count", "lr"}`` pair in its state."""
+    index = sdef.derived(_lr_index)
+    if index is None:
+        return torch.full((), float("nan"))
+    return state[index]
 
 
 def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:

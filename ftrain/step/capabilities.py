@@ -222,4 +222,3 @@ def reduces_in_backward(transforms: Sequence[Transform]) -> bool:
 def notes(transforms: Sequence[Transform], capability: str) -> list[tuple[Transform, str]]:
     """The transforms declaring ``capability``, each with its note."""
     return [(t, t.capabilities()[capability]) for t in transforms if capability in t.capabilities()]
-

@@ -34,7 +34,7 @@ from ftrain import foreach, rng, tree
 from ftrain.apply import ApplyCache, caching
 from ftrain.losses import Loss, RowMean, as_loss, warn_row_weighted
 from ftrain.optim.base import GradientTransformation, LeafContext, leaf_apply
-from ftrain.optim.transforms import global_norm
+from ftrain.optim.transforms import global_norm, recorded_learning_rate
 from ftrain.state import TrainState
 from ftrain.step import capabilities, explain
 from ftrain.step.engine import AutogradEngine, Grads, nonzero
@@ -325,7 +325,7 @@ class Step:
             new_p = [torch.where(skip, o, n) for n, o in zip(new_p, p)]
             new_s = [torch.where(skip, o, n) for n, o in zip(new_s, s)]
         p = new_p
-        lr = _find_lr(new_s, sdef)
+        lr = recorded_learning_rate(new_s, sdef)
         if self.donate:  # most tensors are the input's own: keep the containers holding only them
             return tdef.rebuild(p, state.params), sdef.rebuild(new_s, state.opt_state), lr
         return tdef.unflatten(p), sdef.unflatten(new_s), lr
@@ -394,28 +394,6 @@ def _whole(x: torch.Tensor) -> torch.Tensor:
     if type(x) is torch.Tensor or not hasattr(x, "full_tensor"):
         return x
     return x.full_tensor()
-
-
-def _lr_index(sdef: tree.TreeDef) -> int | None:
-    # scale_by_learning_rate's state is {count, lr}: an `lr` leaf with a `count` sibling (a
-    # parameter named `lr` also gives `lr` leaves, inside moment trees, without one)
-    paths = set(sdef.paths)
-    return next(
-        (
-            i
-            for i, k in enumerate(sdef.paths)
-            if k.rsplit(".", 1)[-1] == "lr" and k[: -len("lr")] + "count" in paths
-        ),
-        None,
-    )
-
-
-def _find_lr(opt_state: list[torch.Tensor], sdef: tree.TreeDef) -> torch.Tensor:
-    """The ``lr`` leaf the optimizer recorded (from ``scale_by_learning_rate``), or NaN."""
-    index = sdef.derived(_lr_index)
-    if index is None:
-        return torch.full((), float("nan"))
-    return opt_state[index]
 
 
 def train_step(

@@ -61,6 +61,7 @@ HOOKS = (
     "gradients",
 )
 
+
 class Gradients(NamedTuple):
     """What the ``gradients`` hook sees and returns: the step's result so far, between the
     reduction and the optimizer update. Return a copy with ``g._replace(...)``.

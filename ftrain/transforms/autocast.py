@@ -144,7 +144,9 @@ class Autocast(Transform):
                     "ft.autocast(step, torch.float16, loss_scale=...)."
                 )
         elif isinstance(self, LossScaled):
-            raise TypeError("LossScaled(scaler=None): give it a DynamicLossScale or StaticLossScale.")
+            raise TypeError(
+                "LossScaled(scaler=None): give it a DynamicLossScale or StaticLossScale."
+            )
 
     def capabilities(self):
         return {SETS_PRECISION: _DTYPES[self.dtype]}

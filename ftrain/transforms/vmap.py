@@ -61,7 +61,6 @@ class Vmap(Transform):
 
     batch_axis: int | None = None
 
-
     def __post_init__(self) -> None:
         if self.batch_axis is not None and (
             isinstance(self.batch_axis, bool) or self.batch_axis != 0
