@@ -159,8 +159,8 @@ def test_checkpoint_is_refused_when_built():
 
 
 def test_wrap_hooks_see_the_stacked_state_in_either_order():
-    """ft.vmap's wrap is innermost (wrap_order): an ft.wrap applied before it wraps the vmapped
-    step too."""
+    """ft.vmap wraps at the "traced" stage, inside every "eager" wrap: an ft.wrap applied before
+    it wraps the vmapped step too."""
     opt = _opt()
     step, state = _step(opt), ft.stack(_members(opt, LRS[:2]))
     seen = []
@@ -178,7 +178,8 @@ def test_wrap_hooks_see_the_stacked_state_in_either_order():
 
 
 def test_compile_in_either_order_equals_the_eager_vmapped_step_without_recompiles():
-    """ft.vmap's wrap is innermost, so both orders compile the vmapped step. With dropout on (the
+    """ft.vmap's wrap is at the "traced" stage, inside ft.compile's, so both orders compile the
+    vmapped step. With dropout on (the
     keyed masks are traced into the graph) they equal the eager vmapped step over 4 steps, and
     steps 2..4 compile nothing."""
     opt = _opt()
