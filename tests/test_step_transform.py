@@ -639,3 +639,20 @@ def test_no_builtin_transform_names_another():
                     assert not {a.name for a in node.names} & modules, path.name
             if isinstance(node, ast.Compare) and isinstance(node.left, ast.Attribute):
                 assert node.left.attr != "name", f"{path.name}:{node.lineno} compares a name"
+
+
+@pytest.mark.parametrize(
+    "body, says",
+    [
+        ("def around_forward(self, params): pass", r"around_forward: not an ft\.Transform hook"),
+        ("def loss_params(self, params, state): pass", r"forward\(fn\) can call the loss"),
+        ("once = True", r"declare a capability of its own"),
+        ("def wrap(self, fn): return fn", r"wrap\(self, fn, stage\)"),
+        ("def rewrite(self, module): return module", r"rewrite: .*define forward\(self, fn\)"),
+    ],
+)
+def test_a_method_the_step_would_never_call_is_refused_where_it_is_written(body, says):
+    """A transform written for another protocol (or with a typo'd signature) does not silently
+    train without its behaviour: defining the class is the error, naming the hook to use."""
+    with pytest.raises(TypeError, match=says):
+        exec(f"class Old(ft.Transform):\n    {body}\n", {"ft": ft})

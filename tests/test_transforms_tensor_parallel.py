@@ -226,7 +226,8 @@ def test_bad_input_is_a_clear_error_when_the_step_is_built(two, four):
     assert "n_head = 1 is not divisible by tp=2" in errors["heads"]
     assert "tp=3 must be an int that divides the 2 processes" in errors["tp size"]
     assert "dimension named 'tp'" in errors["no mesh"]
-    assert "ft.shard(step, 'zero1', mesh=mesh['dp'])" in errors["zero1"]
+    assert "ft.tensor_parallel needs the batch split over its mesh's 'dp' ranks" in errors["zero1"]
+    assert "ft.shard(step, ..., mesh=mesh['dp'])" in errors["zero1"]
     assert errors["zero1 over dp"] is None
     assert "torch.compile" in errors["compile"]
     assert "tp.shard_state(state)" in errors["state"]
@@ -370,6 +371,11 @@ def test_vocab_parallel_loss_with_and_without_sequence_parallel_equals_one_proce
 class _SequenceDropoutReference(ft.Transform):
     """One process: each nn.Dropout of the blocks masks as documented for sequence parallelism,
     from one draw of the step's stream and each entry's position in the whole sequence."""
+
+    def forward(self, fn):
+        from ftrain.apply import rewritten
+
+        return rewritten(fn, self, "reference dropout")
 
     def rewrite(self, module):
         from ftrain.blocks import replace_forwards

@@ -128,7 +128,7 @@ RULES: tuple[Rule, ...] = (
         DATA_PARALLEL_OVER,
         DATA_PARALLEL,
         "the batch must be split over the 'dp' dimension of {a}'s mesh.",
-        "Give {b} mesh=mesh['dp'], with the mesh of {a}.",
+        "Fix: {b}(step, ..., mesh=mesh['dp']), with the mesh of {a}.",
         clash=lambda over, ranks: over != ranks,
     ),
 )

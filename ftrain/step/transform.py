@@ -24,6 +24,7 @@ resumed, sharded and compiled like the rest of the state.
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
@@ -60,6 +61,20 @@ HOOKS = (
     "reduce",
     "gradients",
 )
+
+
+# Names a transform might define expecting the step to call them, and what does that job.
+_NOT_HOOKS = {
+    "around_step": "wrap(fn, stage) at the 'eager' stage wraps the whole call",
+    "around_forward": "forward(fn) wraps each call of the loss function",
+    "loss_params": "forward(fn) can call the loss function with other params",
+    "check": "declare what conflicts in capabilities(); check arguments in __init__",
+    "uses": "a hook that does nothing returns its input (forward(fn) returns fn)",
+    "compile_refusal": "declare capabilities() {UNTRACEABLE: why}",
+    "once": "declare a capability of its own in capabilities(): each is exclusive",
+    "rewrite_order": "a forward hook's place follows its capabilities (forward_rank)",
+    "wrap_order": "choose the wrap's stage: 'traced' runs inside ft.compile",
+}
 
 
 class Gradients(NamedTuple):
@@ -113,6 +128,23 @@ class Transform:
         super().__init_subclass__(**kwargs)
         if not cls.__dict__.get("name"):
             cls.name = _snake(cls.__name__)
+        for attr, use in _NOT_HOOKS.items():  # would never be called: say so where it is written
+            if attr in cls.__dict__:
+                raise TypeError(
+                    f"{cls.__name__}.{attr}: not an ft.Transform hook, so the step would never "
+                    f"call it; {use} (docs/transforms.md lists the hooks)."
+                )
+        if "rewrite" in cls.__dict__ and cls.forward is Transform.forward:
+            raise TypeError(
+                f"{cls.__name__}.rewrite: the step runs a model rewrite only from a forward hook; "
+                "define forward(self, fn) returning ftrain.apply.rewritten(fn, self, name)."
+            )
+        wrap = cls.__dict__.get("wrap")
+        if callable(wrap) and len(inspect.signature(wrap).parameters) != 3:
+            raise TypeError(
+                f"{cls.__name__}.wrap: the hook is wrap(self, fn, stage), called once per stage "
+                f"of {STAGES}; return fn itself at the stages where it does nothing."
+            )
 
     def __call__(self, step):
         """``step`` with this transform applied last: a new step; ``step`` is left as it was."""
