@@ -1,6 +1,6 @@
 """The house rules of the package, checked on its source: no module past 450 lines, no private
-name imported from another ftrain module, no import cycle among ftrain modules, no module-level
-mutable registry."""
+name imported from another ftrain module (except from ``ftrain.internals``, the plumbing every
+module shares), no import cycle among ftrain modules, no module-level mutable registry."""
 
 import ast
 from pathlib import Path
@@ -68,22 +68,51 @@ def test_every_module_is_at_most_450_lines():
     assert not long, f"modules over {MAX_LINES} lines: {long}"
 
 
-def test_no_private_name_is_imported_from_another_ftrain_module():
+INTERNALS = "ftrain.internals"  # plumbing any ftrain module may import, private names too
+
+
+def _private_imports(modules: dict[str, Path]) -> list[str]:
+    """Each import of a private name (``_x``) or through a private module from another ftrain
+    module; a name imported from a module of ``ftrain.internals`` may be private."""
     found = []
-    for module, path in MODULES.items():
+    for module, path in modules.items():
         for node in _runtime_imports(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom):
                 source = _absolute(module, node)
                 if not source.startswith("ftrain"):
                     continue
-                names = [a.name for a in node.names]
+                internal = source == INTERNALS or source.startswith(INTERNALS + ".")
+                names = [] if internal else [a.name for a in node.names]
                 parts = source.split(".")
             else:
                 names, parts = [], [p for a in node.names for p in a.name.split(".")]
             private = [n for n in (*names, *parts) if n.startswith("_") and not n.startswith("__")]
             if private and (isinstance(node, ast.ImportFrom) or parts[0] == "ftrain"):
                 found.append(f"{module}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_private_name_is_imported_from_another_ftrain_module():
+    found = _private_imports(MODULES)
     assert not found, "private imports across modules:\n" + "\n".join(found)
+
+
+def test_the_private_import_check_allows_exactly_the_internals(tmp_path):
+    """A private name may come from ``ftrain.internals.*`` and from nowhere else; a private
+    module is refused under ``ftrain.internals`` too."""
+    cases = {
+        "from ftrain.internals.scoped import _slot": False,
+        "from ftrain.internals import _x": False,
+        "from ftrain.internals._hidden import y": True,
+        "from ftrain.step.engine import _plan": True,
+        "from ftrain.internalsx import _y": True,
+        "import ftrain._x": True,
+    }
+    for i, line in enumerate(cases):
+        (tmp_path / f"m{i}.py").write_text(line + "\n")
+    fake = {f"ftrain.m{i}": tmp_path / f"m{i}.py" for i in range(len(cases))}
+    flagged = {line for line in cases if any(line in f for f in _private_imports(fake))}
+    assert flagged == {line for line, bad in cases.items() if bad}
 
 
 def test_no_import_cycle_among_ftrain_modules():
@@ -139,6 +168,6 @@ def _module_level_mutables(path: Path) -> list[str]:
 
 def test_no_module_level_mutable_registries():
     """Caches and registries that calls fill live with the object that owns them (a Step's
-    ApplyCache) or in a scoped value (ftrain.scoped), never at module level."""
+    ApplyCache) or in a scoped value (ftrain.internals.scoped), never at module level."""
     found = {m: names for m, p in MODULES.items() if (names := _module_level_mutables(p))}
     assert not found, f"module-level mutable containers: {found}"
