@@ -314,10 +314,12 @@ class Source:
 
     def __init__(self, text: str):
         self.text = text
+        # by "\n" alone, as the parser counts lines (str.splitlines also cuts at \f, \x1c, ...)
+        self.lines = [line + "\n" for line in text.split("\n")]
+        self.lines[-1] = self.lines[-1][:-1]
         self.starts = [0]
-        for line in text.splitlines(keepends=True):
+        for line in self.lines:
             self.starts.append(self.starts[-1] + len(line))
-        self.lines = text.splitlines(keepends=True)
         self.edits: list[tuple[int, int, str]] = []
 
     def offset(self, line: int, col: int) -> int:
