@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ftrain.process import keep_freed_memory
+from ftrain.app.process import keep_freed_memory
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 # As `ftrain train` does for its process: freed activations stay in the heap instead of being

@@ -168,8 +168,8 @@ def step_profile(quick: bool, steps: int) -> list[str]:
     and each side's whole step (interleaved rounds, no profiler)."""
     from _common import rounds
 
-    from ftrain.config import TrainConfig
-    from ftrain.recipes import gpt
+    from ftrain.app.config import TrainConfig
+    from ftrain.app.recipes import gpt
 
     cfg = TrainConfig(max_steps=10, batch_size=4 if quick else 16)
     model = gpt.build_model(cfg)

@@ -44,8 +44,8 @@ import torch.nn.functional as F
 
 import ftrain as ft
 from ftrain import optim, testing
+from ftrain.app.recipes.placement import release_params
 from ftrain.models import GPT, GPTConfig, flops_per_token
-from ftrain.recipes.placement import release_params
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import RESULTS, machine, write_section  # noqa: E402

@@ -2,8 +2,8 @@
 
     python benchmarks/lora.py
 
-The model and optimizer are the CLI's defaults (``ftrain.recipes.gpt``); the state is built as the
-CLI builds it (``gpt.build_state``), with and without ``--lora-rank``. Bytes are counted by
+The model and optimizer are the CLI's defaults (``ftrain.app.recipes.gpt``); the state is built as
+the CLI builds it (``gpt.build_state``), with and without ``--lora-rank``. Bytes are counted by
 ``ftrain.optim.state_bytes``, so they are exact, not timed. Writes the ``LoRA`` section of
 RESULTS.md.
 """
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from _common import machine, write_section
 
-from ftrain.config import TrainConfig
+from ftrain.app.config import TrainConfig
+from ftrain.app.recipes import gpt
 from ftrain.optim import state_bytes
-from ftrain.recipes import gpt
 
 SETTINGS = [  # (rank, targets)
     (8, "all-linear"),

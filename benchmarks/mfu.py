@@ -31,9 +31,9 @@ import torch.nn.functional as F
 from _common import interleaved, machine, write_section
 
 import ftrain as ft
-from ftrain.config import TrainConfig
+from ftrain.app.config import TrainConfig
+from ftrain.app.recipes.gpt import build_model, build_optimizer, make_loss_fn
 from ftrain.models import GPT, flops_per_token, linear, onednn_linear_available
-from ftrain.recipes.gpt import build_model, build_optimizer, make_loss_fn
 
 TARGET = 0.75
 SIZES = (1024, 2048, 3072)

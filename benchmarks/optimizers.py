@@ -9,7 +9,7 @@ It writes four sections of RESULTS.md:
 
 * **Optimizer memory**: bytes of optimizer state per parameter for every ftrain optimizer, with
   torch.optim's AdamW (its state after one step) as the reference for 8 bytes.
-* **Optimizer step time**: the recipe's step (``ftrain.recipes.gpt``: ``build_model``,
+* **Optimizer step time**: the recipe's step (``ftrain.app.recipes.gpt``: ``build_model``,
   ``build_optimizer``, ``build_step``: clipping, the injected peak learning rate, weight decay on
   matrices; eager, donated, as ``ftrain train`` runs it) with ``--optimizer adamw``, ``muon``
   (``optim.muon_adamw``) and ``schedule_free_adamw``; then the optimizer update alone
@@ -22,8 +22,8 @@ It writes four sections of RESULTS.md:
 * **Sharded Muon**: on 2 gloo ranks, the two ways to orthogonalize updates that zero2/fsdp hold as
   row shards: every rank gathers every whole matrix and orthogonalizes all of them, or each rank
   is given whole matrices (their rows sent to it), orthogonalizes those and sends the rows back
-  (``ftrain.distributed.owners.on_owners``, what ``ftrain.optim.muon`` does). The parts are timed
-  and the bytes counted.
+  (``ftrain.distributed.data_parallel.owners.on_owners``, what ``ftrain.optim.muon`` does). The
+  parts are timed and the bytes counted.
 
 Timing follows benchmarks/step_overhead.py: one torch thread, every side once per round in
 rotating order, medians over rounds, ratios judged on CPU time (this process, all threads; waiting
@@ -47,12 +47,12 @@ from _common import machine, rounds, write_section  # benchmarks/_common.py, bes
 
 import ftrain as ft
 from ftrain import optim, tree
-from ftrain.config import TrainConfig
-from ftrain.loop import evaluate
+from ftrain.app.config import TrainConfig
+from ftrain.app.loop import validation_loss
+from ftrain.app.recipes import gpt
 from ftrain.optim.lamb import lamb
 from ftrain.optim.muon import newton_schulz
 from ftrain.optim.quantized import adamw8bit
-from ftrain.recipes import gpt
 
 TARGETS = {"adamw": "8", "adafactor": "≤ 4.1", "adamw8bit": "≤ 2.1"}
 NAMES = {"adamw": "adamw", "muon": "muon_adamw", "schedule_free_adamw": "schedule_free_adamw"}
@@ -247,7 +247,9 @@ def train_for(name: str, lr: float, steps: int, quick: bool) -> dict:
         losses.append(metrics["loss"])
     cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
     train = torch.stack(losses[-20:]).mean().item()
-    val = evaluate(model, gpt.eval_params(cfg, state), gpt.build_data(cfg, quiet=True)[1], cfg)
+    val = validation_loss(
+        model, gpt.eval_params(cfg, state), gpt.build_data(cfg, quiet=True)[1], cfg
+    )
     return dict(name=name, lr=lr, steps=steps, cpu=cpu, wall=wall, train=train, val=val)
 
 
@@ -333,7 +335,7 @@ def sharded_muon(quick: bool, n_rounds: int) -> dict:
 
     from ftrain.distributed import default_mesh, shard_state
     from ftrain.distributed.collectives import as_sharded, gather_leaves, layout
-    from ftrain.distributed.owners import exchange, on_owners, owners
+    from ftrain.distributed.data_parallel.owners import exchange, on_owners, owners
     from ftrain.optim.muon import newton_schulz_cost
 
     torch.set_num_threads(1)
@@ -459,7 +461,7 @@ torch thread each (the 2 cores). Load average {load[0]:.1f} at the start and {lo
 The orthogonalization needs each whole matrix; under zero2 and fsdp each rank holds a block of
 rows of every update. **A**: one flat all-gather of every hidden matrix's rows (bfloat16), every
 rank orthogonalizes all of them and keeps its rows. **B** (what `ftrain.optim.muon` does, through
-`ftrain.distributed.owners.on_owners`): each matrix has an owner rank (balanced by Newton–Schulz
+`ftrain.distributed.data_parallel.owners.on_owners`): each matrix has an owner rank (balanced by Newton–Schulz
 cost), an all-to-all sends each matrix's rows to its owner, the owner orthogonalizes its matrices
 (batched by shape), a second all-to-all sends the rows back. Measured on
 the {len(r0["shapes"])} hidden matrices of the recipe's GPT ({shapes};

@@ -7,13 +7,14 @@ training step of a GPT, with and without ``sequence_parallel=True``.
 
 The block is GPT's: LayerNorm -> qkv (columns) -> causal attention -> proj (rows) -> dropout ->
 residual, LayerNorm -> fc (columns) -> GELU -> proj (rows) -> dropout -> residual, fp32. Under TP
-(``ftrain.distributed.tp``) the activations inside each column/row pair are split by heads or
-features, but the norms, dropout and residuals between the pairs run on whole activations on
-every rank; under SP (``ftrain.distributed.sequence``) those are split along the sequence too.
-Bytes are exact: ``ftrain.testing.saved_bytes`` of the block's forward (what autograd keeps, plus
-the output). The step table uses ``ftrain.testing.saved_activation_bytes`` of the whole step's
-forward (embeddings, ``--layers`` blocks, the final norm, the whole logits and the loss; dropout 0,
-which ``sequence_parallel`` requires). Prints Markdown tables for RESULTS.md.
+(``ftrain.distributed.tensor_parallel.linear``) the activations inside each column/row pair are
+split by heads or features, but the norms, dropout and residuals between the pairs run on whole
+activations on every rank; under SP (``ftrain.distributed.tensor_parallel.sequence``) those are
+split along the sequence too. Bytes are exact: ``ftrain.testing.saved_bytes`` of the block's forward
+(what autograd keeps, plus the output). The step table uses
+``ftrain.testing.saved_activation_bytes`` of the whole step's forward (embeddings, ``--layers``
+blocks, the final norm, the whole logits and the loss; dropout 0, which ``sequence_parallel``
+requires). Prints Markdown tables for RESULTS.md.
 """
 
 from __future__ import annotations
@@ -56,9 +57,9 @@ def block(p, x, heads, linear_in, linear_out, dropout):
 def rank_fn(batch: int, seq: int, width: int, heads: int, sequence: bool) -> int:
     import torch.distributed as dist
 
-    from ftrain.distributed import sequence as sp
-    from ftrain.distributed import tp
-    from ftrain.distributed.plans import Split, local_piece
+    from ftrain.distributed.tensor_parallel import linear as tp
+    from ftrain.distributed.tensor_parallel import sequence as sp
+    from ftrain.distributed.tensor_parallel.plans import Split, local_piece
 
     rank, size = dist.get_rank(), dist.get_world_size()
     params, x = make(batch, seq, width)
@@ -106,7 +107,7 @@ def _gpt(batch: int, seq: int, width: int, heads: int, layers: int, vocab: int):
 def step_rank_fn(sizes: tuple, tp_size: int, sequence: bool) -> int:
     """Bytes the whole tensor-parallel step keeps for backward on this rank."""
     import ftrain as ft
-    from ftrain.distributed.plans import gpt_plan
+    from ftrain.distributed.tensor_parallel.plans import gpt_plan
     from ftrain.testing import saved_activation_bytes
 
     model, step, state, batch = _gpt(*sizes)
@@ -153,7 +154,7 @@ def main() -> None:
     if a.skip_block:
         print(step_table(a))
         return
-    from ftrain.distributed.sequence import sequence_dropout
+    from ftrain.distributed.tensor_parallel.sequence import sequence_dropout
 
     params, x = make(a.batch, a.seq, a.width)
     params = {k: v.requires_grad_() for k, v in params.items()}

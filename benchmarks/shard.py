@@ -256,7 +256,7 @@ def report_2d(results: list[dict], setup: str, whole: int) -> str:
         f"Whole params {whole / mib:.2f} MiB. Every row is tensor parallel over tp (each rank "
         "holds half of every block matrix); zero1/zero2 split the optimizer state over dp too, "
         "fsdp the params as well, each piece along a dimension tp does not split "
-        "(`ftrain.distributed.dp_split`). Four processes share the two cores, so the CPU "
+        "(`ftrain.distributed.data_parallel.dp_split`). Four processes share the two cores, so the CPU "
         "column is the one to judge.",
     ]
     return "\n".join(lines)

@@ -43,9 +43,9 @@ from _common import (  # benchmarks/_common.py, beside this script
 )
 
 import ftrain as ft
-from ftrain.config import TrainConfig
+from ftrain.app.config import TrainConfig
+from ftrain.app.recipes.gpt import build_model
 from ftrain.models import GPT, GPTConfig
-from ftrain.recipes.gpt import build_model
 
 ENSEMBLE_SECTION = "Ensembles (ft.vmap)"
 PER_EXAMPLE_SECTION = "Per-example gradients and DP-SGD"
@@ -65,7 +65,7 @@ one `bmm` over `[K, B*T, d]` (MKL, where the plain step runs oneDNN's linear), a
 `scaled_dot_product_attention` has no batching rule on the CPU, so torch runs it member by member
 and concatenates (the warning below). The fixed cost (`vmap K=1` above): `torch.func`'s
 wrapper layers on every op of forward and backward, and no `torch._foreach_*` kernel has a vmap
-batching rule, so under `ft.vmap` `ftrain.foreach` runs the optimizer's and the step's
+batching rule, so under `ft.vmap` `ftrain.internals.foreach` runs the optimizer's and the step's
 multi-tensor kernels one tensor at a time (one Python-level op per tensor per kernel, each
 batched by vmap; compiled, the loop is traced into the graph and costs nothing per call). At K = 8 that fixed cost is only partly amortized; the last column is the
 ratio the ensemble approaches as K grows.

@@ -13,6 +13,7 @@ from ftrain import data, distributed, losses, models, optim, rng, tree
 from ftrain.apply import apply
 from ftrain.distributed import shard_state, unshard_state
 from ftrain.evaluate import evaluate
+from ftrain.internals.version import __version__ as __version__
 from ftrain.io import (
     CheckpointError,
     SaveHandle,
@@ -45,7 +46,6 @@ from ftrain.transforms import (
     vmap,
     wrap,
 )
-from ftrain.version import __version__ as __version__
 
 __all__ = [
     "CheckpointError",

@@ -2,6 +2,6 @@
 
 import sys
 
-from ftrain.cli import main
+from ftrain.app.cli import main
 
 sys.exit(main())

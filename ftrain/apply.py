@@ -3,15 +3,15 @@
 An ``nn.Module`` is used only as a *template*: its code runs, its tensors do not. ``apply`` places
 the given tensors where the module keeps its parameters for the extent of one call, as
 ``torch.func.functional_call`` does, and puts the module's own tensors back afterwards (where a
-module keeps them comes from ``ftrain.modules``).
+module keeps them comes from ``ftrain.internals.module_tables``).
 
-Transforms reach the model through two scoped values (:mod:`ftrain.scoped`) that the step sets
-around its forward and its call: the *rewrites* (objects with ``rewrite(module) -> module``, e.g.
-activation checkpointing, which returns a copy whose blocks run through ``torch.utils.checkpoint``;
-``apply`` runs the rewritten copy) and an :class:`ApplyCache`, where ``apply`` keeps what it works
-out about a module (where each parameter goes, the rewritten copies) for as long as the step that
-owns the cache lives. Outside a step, or while ``torch.compile`` traces, nothing is cached:
-``apply`` goes through ``functional_call``.
+Transforms reach the model through two scoped values (:mod:`ftrain.internals.scoped`) that the step
+sets around its forward and its call: the *rewrites* (objects with ``rewrite(module) -> module``,
+e.g. activation checkpointing, which returns a copy whose blocks run through
+``torch.utils.checkpoint``; ``apply`` runs the rewritten copy) and an :class:`ApplyCache`, where
+``apply`` keeps what it works out about a module (where each parameter goes, the rewritten copies)
+for as long as the step that owns the cache lives. Outside a step, or while ``torch.compile``
+traces, nothing is cached: ``apply`` goes through ``functional_call``.
 """
 
 from __future__ import annotations
@@ -27,17 +27,18 @@ from tensordict import TensorDictBase
 from torch import nn
 
 from ftrain import tree
-from ftrain.modules import buffer_slot, param_slot, tables
-from ftrain.scoped import Scoped
+from ftrain.internals.module_tables import buffer_slot, param_slot, tables
+from ftrain.internals.scoped import Scoped
 
 __all__ = ["apply", "Rewrite", "rewriting", "rewritten", "ApplyCache", "caching"]
 
 
 class Rewrite(Protocol):
     """What a step hands ``apply``: ``rewrite(module)`` returns the module to run in its place,
-    which must keep the module's parameter and buffer tables (``ftrain.blocks.replace_forwards``
-    copies do); the copy is kept and used again while the optional ``rewrite_key()`` returns the
-    same object (``ft.Transform``'s hooks of these names)."""
+    which must keep the module's parameter and buffer tables
+    (``ftrain.internals.blocks.replace_forwards`` copies do); the copy is kept and used again while
+    the optional ``rewrite_key()`` returns the same object (``ft.Transform``'s hooks of these
+    names)."""
 
     def rewrite(self, module: nn.Module) -> nn.Module: ...
 

@@ -19,7 +19,7 @@ from tensordict import TensorDictBase
 from torch import nn
 
 from ftrain.apply import ApplyCache, caching, rewriting
-from ftrain.blocks import in_mode
+from ftrain.internals.blocks import in_mode
 from ftrain.losses import Loss, RowMean, TokenLoss, as_loss
 
 __all__ = ["evaluate", "EvalMode"]
@@ -29,8 +29,8 @@ class EvalMode:
     """The rewrite ``ft.evaluate`` gives ``ft.apply``: run a copy of the module in which every
     submodule is in eval mode (``training`` False: dropout off, batch norm on its running
     statistics). The copy shares the module's parameter and buffer tables
-    (``ftrain.blocks.in_mode``), so ``ft.apply`` places its tensors as usual; the module itself
-    and its ``training`` flags are never changed."""
+    (``ftrain.internals.blocks.in_mode``), so ``ft.apply`` places its tensors as usual; the module
+    itself and its ``training`` flags are never changed."""
 
     def rewrite(self, module: nn.Module) -> nn.Module:
         return in_mode(module, training=False)

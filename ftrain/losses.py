@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ftrain.batch import batch_rows
+from ftrain.internals.batch import batch_rows
 
 __all__ = [
     "Loss",

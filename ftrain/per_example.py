@@ -16,7 +16,8 @@ from typing import Any, NamedTuple
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from ftrain import func_scope, tree
+from ftrain import tree
+from ftrain.internals import func_scope
 from ftrain.losses import Loss, as_loss
 
 __all__ = ["per_example_grads", "ExampleGrads", "example_grads", "examples_of"]

@@ -27,8 +27,9 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 
-from ftrain import dynamo, rng, tree
+from ftrain import rng, tree
 from ftrain.distributed import DistributedError, run_distributed
+from ftrain.internals import dynamo
 from ftrain.memory.tracker import LiveBytes
 from ftrain.state import TrainState
 from ftrain.step import Step
@@ -346,7 +347,7 @@ def peak_bytes(step: Step, state: TrainState, batch: Any) -> int:
     predicts. ``ft.compile`` is left out (the step runs eagerly); ``state`` is not modified (a
     donating step gets a copy, counted in its place).
     """
-    from ftrain.memory.plan import planned_step
+    from ftrain.memory.predict import planned_step
 
     if not isinstance(state, TrainState):
         raise TypeError(

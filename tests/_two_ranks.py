@@ -25,8 +25,8 @@ from ftrain.distributed import (
     unshard_state,
 )
 from ftrain.distributed.collectives import as_sharded
+from ftrain.distributed.data_parallel.owners import on_owners
 from ftrain.distributed.dtensor import dtensor
-from ftrain.distributed.owners import on_owners
 from ftrain.transforms import StaticLossScale, shard
 
 from _tiny import lm_batch, lm_loss, tiny_gpt

@@ -14,7 +14,7 @@ from torch import nn
 
 import ftrain as ft
 from ftrain.apply import ApplyCache, caching, rewriting
-from ftrain.blocks import replace_forwards
+from ftrain.internals.blocks import replace_forwards
 
 from _tiny import Net, gpt_step, lm_batch
 

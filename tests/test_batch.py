@@ -1,5 +1,5 @@
-"""ftrain.batch: split_batch cuts every tensor of a nested batch along dim 0 as torch.tensor_split
-does, keeping container types; batch_rows finds the leading dimension."""
+"""ftrain.internals.batch: split_batch cuts every tensor of a nested batch along dim 0 as
+torch.tensor_split does, keeping container types; batch_rows finds the leading dimension."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections import namedtuple
 import pytest
 import torch
 
-from ftrain.batch import batch_rows, split_batch
+from ftrain.internals.batch import batch_rows, split_batch
 
 Pair = namedtuple("Pair", "x y")
 

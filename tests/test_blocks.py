@@ -1,5 +1,5 @@
-"""ftrain.blocks: find_blocks picks the layers, and replace_forwards builds a copy whose targets run
-new forwards while the original module and every submodule stay exactly as they were."""
+"""ftrain.internals.blocks: find_blocks picks the layers, and replace_forwards builds a copy whose
+targets run new forwards while the original module and every submodule stay exactly as they were."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 import ftrain as ft
-from ftrain.blocks import find_blocks, in_mode, replace_forwards
+from ftrain.internals.blocks import find_blocks, in_mode, replace_forwards
+from ftrain.internals.module_tables import copy_module
 from ftrain.models import Block
-from ftrain.modules import copy_module
 
 from _tiny import Chain, tiny_gpt, tokens
 

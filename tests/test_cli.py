@@ -1,4 +1,5 @@
-"""The `ftrain` command (ftrain.cli): argparse, usage errors and exit codes of `train` and `sample`.
+"""The `ftrain` command (ftrain.app.cli): argparse, usage errors and exit codes of `train` and
+`sample`.
 
 What a run does is tested in test_loop.py; the run folder in test_rundir.py; settings and TOML
 files in test_config.py.
@@ -7,7 +8,7 @@ files in test_config.py.
 import pytest
 
 import ftrain as ft
-from ftrain.cli import main, parser
+from ftrain.app.cli import main, parser
 
 
 @pytest.mark.parametrize(
@@ -43,7 +44,7 @@ def test_a_run_shorter_than_the_default_warmup_is_warned_about(capsys):
     --warmup that long is refused above); a run longer than the warmup says nothing."""
     import argparse
 
-    from ftrain.config import add_arguments, from_args
+    from ftrain.app.config import add_arguments, from_args
 
     train = argparse.ArgumentParser()
     add_arguments(train)
@@ -114,7 +115,7 @@ def test_lengths_and_losses_are_in_tokens_or_bytes_by_tokenizer(
     says nats per byte for the built-in GPT, per token for a tokenizer's model."""
     from matplotlib.axes import Axes
 
-    from ftrain import rundir
+    from ftrain.app import run_folder
 
     with pytest.raises(SystemExit):
         main(["train", "--help"])
@@ -124,5 +125,5 @@ def test_lengths_and_losses_are_in_tokens_or_bytes_by_tokenizer(
     labels = []
     monkeypatch.setattr(Axes, "set_ylabel", lambda self, label, **kw: labels.append(label))
     assert main(["train", *tiny_run, "--max-steps", "1", "--out", str(tmp_path / "run")]) == 0
-    rundir.plot_losses([{"step": 1, "loss": 2.0}], tmp_path / "t.png", unit="token")
+    run_folder.plot_losses([{"step": 1, "loss": 2.0}], tmp_path / "t.png", unit="token")
     assert labels == ["loss (nats per byte)", "loss (nats per token)"]

@@ -1,4 +1,5 @@
-"""The settings (ftrain.config): one flag per field, TOML files with the same keys, type checks."""
+"""The settings (ftrain.app.config): one flag per field, TOML files with the same keys, type
+checks."""
 
 import argparse
 import dataclasses
@@ -8,8 +9,8 @@ import pytest
 import torch
 
 import ftrain as ft
-from ftrain.cli import main
-from ftrain.config import TrainConfig, add_arguments, flag_name, from_args, load_toml
+from ftrain.app.cli import main
+from ftrain.app.config import TrainConfig, add_arguments, flag_name, from_args, load_toml
 
 
 def test_every_field_has_its_flag_and_flags_beat_defaults_only_when_given():

@@ -181,7 +181,7 @@ def test_ftrain_train_refuses_unmapped_roles_then_trains_with_chat_roles(
     flag it names trains on the replies (a nonzero count of learned tokens every step)."""
     import json
 
-    from ftrain.cli import main
+    from ftrain.app.cli import main
 
     f = write_jsonl(tmp_path / "c.jsonl", [{"messages": m} for m in SHAREGPT_ROLES * 10])
     out = tmp_path / "run"

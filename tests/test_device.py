@@ -1,4 +1,4 @@
-"""Where ``ftrain train`` runs (ftrain.recipes.placement): ``--device`` and ``--precision auto``
+"""Where ``ftrain train`` runs (ftrain.app.recipes.placement): ``--device`` and ``--precision auto``
 resolved (CUDA faked where a GPU is needed), the recipe's model, state and batches on the chosen
 device, and checkpoints that move between GPU and CPU machines. Tests that need a real GPU skip
 without one."""
@@ -10,11 +10,11 @@ import safetensors.torch
 import torch
 
 import ftrain as ft
-from ftrain.cli import main
-from ftrain.config import TrainConfig
+from ftrain.app.cli import main
+from ftrain.app.config import TrainConfig
+from ftrain.app.loop import validation_loss
+from ftrain.app.recipes import gpt, placement
 from ftrain.io import meta_checksum
-from ftrain.loop import evaluate
-from ftrain.recipes import gpt, placement
 from ftrain.transforms import Autocast
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -277,5 +277,5 @@ def test_the_recipe_on_a_gpu_puts_state_batches_and_evaluation_there(tmp_path):
     assert all(t.is_cuda for t in batch.values())
     state, metrics = recipe.step(recipe.state, batch)
     assert metrics["loss"].is_cuda and torch.isfinite(metrics["loss"])
-    assert evaluate(recipe.model, state.params, recipe.valid, cfg) > 0
+    assert validation_loss(recipe.model, state.params, recipe.valid, cfg) > 0
     assert gpt.sample_text(recipe.model, state.params, "def ", 4).startswith("def ")

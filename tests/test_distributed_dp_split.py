@@ -14,7 +14,7 @@ import torch
 
 import ftrain as ft
 from ftrain.distributed import local_bytes
-from ftrain.distributed.plans import gpt_plan
+from ftrain.distributed.tensor_parallel.plans import gpt_plan
 from ftrain.testing import run_distributed
 from tests._tiny import assert_trees_close, lm_batch, lm_loss, max_tree_diff, tiny_gpt
 

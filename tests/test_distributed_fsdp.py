@@ -1,5 +1,5 @@
-"""ftrain.distributed.fsdp: under ``ft.shard(step, "fsdp")`` whole parameters exist one block at a
-time (track_gathered measures it), and the tracker's own accounting.
+"""ftrain.distributed.data_parallel.fsdp: under ``ft.shard(step, "fsdp")`` whole parameters exist
+one block at a time (track_gathered measures it), and the tracker's own accounting.
 
 The 2-rank results come from the session's one run (``two_ranks`` in conftest.py).
 """

@@ -1,7 +1,7 @@
-"""ftrain.distributed.owners: owners are balanced and the same for equal inputs; an Exchange's
-two trips, for 1 to 4 ranks in one process (the all-to-all replaced by what it computes); and
-on_owners on 2 gloo ranks (the session's 2-rank run, ``_two_ranks.py``) against the same function
-of the whole tensors in one process.
+"""ftrain.distributed.data_parallel.owners: owners are balanced and the same for equal inputs; an
+Exchange's two trips, for 1 to 4 ranks in one process (the all-to-all replaced by what it computes);
+and on_owners on 2 gloo ranks (the session's 2-rank run, ``_two_ranks.py``) against the same
+function of the whole tensors in one process.
 """
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ftrain.distributed import owners as owners_module
 from ftrain.distributed.collectives import layout
-from ftrain.distributed.owners import Exchange, exchange, on_owners, owners
+from ftrain.distributed.data_parallel import owners as owners_module
+from ftrain.distributed.data_parallel.owners import Exchange, exchange, on_owners, owners
 
 from _two_ranks import OTHER_SHAPES, OWNED_SHAPES, owned_inputs, whole_fn
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from ftrain.distributed.plans import (
+from ftrain.distributed.tensor_parallel.plans import (
     Colwise,
     Divide,
     Rowwise,

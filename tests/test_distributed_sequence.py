@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ftrain.distributed.plans import Split, join_pieces
-from ftrain.distributed.sequence import sequence_dropout
+from ftrain.distributed.tensor_parallel.plans import Split, join_pieces
+from ftrain.distributed.tensor_parallel.sequence import sequence_dropout
 from ftrain.testing import run_distributed
 
 B, T, C, HEADS, P = 2, 6, 8, 2, 0.25
@@ -60,8 +60,8 @@ def _block(p, x, linear_in, linear_out, offset):
 def _ranks():
     import torch.distributed as dist
 
-    from ftrain.distributed.plans import local_piece
-    from ftrain.distributed.sequence import (
+    from ftrain.distributed.tensor_parallel.plans import local_piece
+    from ftrain.distributed.tensor_parallel.sequence import (
         colwise_linear_sp,
         gather_sequence,
         rowwise_linear_sp,
@@ -107,7 +107,7 @@ def _ranks():
 
 def _autocast(w, b, tp):
     """colwise_linear_sp under bf16 autocast: bf16 output, fp32 gradients near the fp32 ones."""
-    from ftrain.distributed.sequence import colwise_linear_sp
+    from ftrain.distributed.tensor_parallel.sequence import colwise_linear_sp
     from ftrain.testing import max_rel_error
 
     x = torch.randn(B, T // tp, C)

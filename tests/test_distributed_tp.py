@@ -15,8 +15,8 @@ def _ranks():
     import torch
     import torch.distributed as dist
 
-    from ftrain.distributed.plans import Colwise, Rowwise, local_piece, resolve_plan
-    from ftrain.distributed.tp import colwise_linear, rowwise_linear
+    from ftrain.distributed.tensor_parallel.linear import colwise_linear, rowwise_linear
+    from ftrain.distributed.tensor_parallel.plans import Colwise, Rowwise, local_piece, resolve_plan
     from tests.test_distributed_tp import _mlp
 
     fc, proj, x = _mlp()
@@ -34,7 +34,7 @@ def _ranks():
 
 
 def test_column_then_row_parallel_equals_one_process():
-    from ftrain.distributed.plans import Colwise, Rowwise, join_pieces, resolve_plan
+    from ftrain.distributed.tensor_parallel.plans import Colwise, Rowwise, join_pieces, resolve_plan
 
     fc, proj, x = _mlp()
     model = nn.Sequential(fc, proj)

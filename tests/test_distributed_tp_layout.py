@@ -1,10 +1,10 @@
-"""tp_layout: the ("dp", "tp") mesh and where a tensor-parallel state's tensors go."""
+"""tensor_parallel.mesh: the ("dp", "tp") mesh and where a tensor-parallel state's tensors go."""
 
 import torch
 
 import ftrain as ft
-from ftrain.distributed.plans import Split
-from ftrain.distributed.tp_layout import follow
+from ftrain.distributed.tensor_parallel.mesh import follow
+from ftrain.distributed.tensor_parallel.plans import Split
 from ftrain.testing import run_distributed
 from tests._tiny import tiny_gpt
 
@@ -30,7 +30,7 @@ def test_optimizer_moments_follow_the_params_they_are_shaped_like():
 
 
 def _layout():
-    from ftrain.distributed.plans import gpt_plan
+    from ftrain.distributed.tensor_parallel.plans import gpt_plan
 
     model = tiny_gpt()
     opt = ft.optim.adamw(1e-3)

@@ -4,10 +4,16 @@ import torch
 from torch import nn
 
 import ftrain as ft
-from ftrain.distributed.plans import Colwise, Rowwise, gpt_plan, local_piece, resolve_plan
-from ftrain.distributed.tp import PairCollectives
-from ftrain.distributed.tp_model import tp_copy
-from ftrain.modules import param_slots
+from ftrain.distributed.tensor_parallel.linear import PairCollectives
+from ftrain.distributed.tensor_parallel.model import tp_copy
+from ftrain.distributed.tensor_parallel.plans import (
+    Colwise,
+    Rowwise,
+    gpt_plan,
+    local_piece,
+    resolve_plan,
+)
+from ftrain.internals.module_tables import param_slots
 from tests._tiny import tiny_gpt, tokens
 
 IDENTITY = PairCollectives(lambda x: x, lambda y: y)

@@ -1,10 +1,16 @@
-"""tp_sequence: where sequence parallelism splits the sequence and which gradients it sums (one
-process; the multi-rank equality with one process is in test_transforms_tensor_parallel.py)."""
+"""tensor_parallel.sequence_region: where sequence parallelism splits the sequence and which
+gradients it sums (one process; the multi-rank equality with one process is in
+test_transforms_tensor_parallel.py)."""
 
 import pytest
 
-from ftrain.distributed.plans import SequenceParallel, gpt_plan, hf_llama_plan, resolve_plan
-from ftrain.distributed.tp_sequence import partial_params, region
+from ftrain.distributed.tensor_parallel.plans import (
+    SequenceParallel,
+    gpt_plan,
+    hf_llama_plan,
+    resolve_plan,
+)
+from ftrain.distributed.tensor_parallel.sequence_region import partial_params, region
 from tests._tiny import tiny_gpt
 
 

@@ -37,7 +37,10 @@ def _big():
 def _ranks():
     import torch.distributed as dist
 
-    from ftrain.distributed.vocab import vocab_parallel_cross_entropy, vocab_parallel_token_losses
+    from ftrain.distributed.tensor_parallel.vocab_loss import (
+        vocab_parallel_cross_entropy,
+        vocab_parallel_token_losses,
+    )
     from tests.test_distributed_vocab import V, _big, _head, _inputs
 
     rank = dist.get_rank()
@@ -73,7 +76,7 @@ def _ranks():
     out["peak"] = mem.peak
 
     # a column-parallel lm_head on sequence slices, its logits never gathered
-    from ftrain.distributed.sequence import colwise_linear_sp
+    from ftrain.distributed.tensor_parallel.sequence import colwise_linear_sp
 
     hidden, head, targets = _head()
     h_piece = hidden.chunk(2, dim=1)[rank].clone().requires_grad_()  # (B, T / 2, C)

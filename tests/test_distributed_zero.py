@@ -1,6 +1,6 @@
-"""ftrain.distributed.zero: shard_state lays a state out per strategy and keeps that layout,
-unshard/unshard_state gather it back whole (to save and resume on any world size), local_bytes
-counts what one process holds.
+"""ftrain.distributed.data_parallel.zero: shard_state lays a state out per strategy and keeps that
+layout, unshard/unshard_state gather it back whole (to save and resume on any world size),
+local_bytes counts what one process holds.
 
 The 2-rank results come from the session's one run (``two_ranks`` in conftest.py).
 """

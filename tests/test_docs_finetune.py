@@ -1,4 +1,4 @@
-"""docs/finetune.md runs as written: its files written, its commands run (ftrain.cli.main) and
+"""docs/finetune.md runs as written: its files written, its commands run (ftrain.app.cli.main) and
 its Python executed, in document order, in a folder holding a tiny GPT-2 as ``my-model/``."""
 
 import contextlib
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ftrain.cli import main
+from ftrain.app.cli import main
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "finetune.md"
 BLOCK = re.compile(r"```(\w+)( [^\n]+)?\n(.*?)```", re.S)

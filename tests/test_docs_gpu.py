@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ftrain.cli import main
-from ftrain.config import TrainConfig, flag_name
+from ftrain.app.cli import main
+from ftrain.app.config import TrainConfig, flag_name
 
 ROOT = Path(__file__).resolve().parents[1]
 GUIDE = (ROOT / "docs" / "gpu.md").read_text()

@@ -12,7 +12,7 @@ from _hf import arithmetic_chats, tiny_hf_dir, write_jsonl
 from _tiny import lm_batch, tiny_gpt
 
 transformers = pytest.importorskip("transformers")
-from ftrain.export import byte_tokenizer, export_gpt, export_hf  # noqa: E402
+from ftrain.app.export import byte_tokenizer, export_gpt, export_hf  # noqa: E402
 from ftrain.transforms.lora import join_base  # noqa: E402
 
 
@@ -94,9 +94,9 @@ def test_a_hf_model_with_lora_merged_loads_with_the_same_logits(tmp_path, name):
 
 def test_ftrain_export_of_a_lora_run(tmp_path, tiny_run):
     """`ftrain export` of the built-in GPT trained with LoRA: the merged model as GPT-2."""
-    from ftrain.cli import main
-    from ftrain.config import TrainConfig
-    from ftrain.recipes import gpt
+    from ftrain.app.cli import main
+    from ftrain.app.config import TrainConfig
+    from ftrain.app.recipes import gpt
 
     run, out = tmp_path / "run", tmp_path / "hf"
     args = [*tiny_run, "--max-steps", "3", "--lora-rank", "2", "--lr", "0.05", "--warmup", "0"]
@@ -117,7 +117,7 @@ def test_ftrain_export_of_a_lora_run(tmp_path, tiny_run):
 
 
 def test_export_refuses_a_run_without_checkpoints(tmp_path):
-    from ftrain.cli import main
+    from ftrain.app.cli import main
 
     (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit, match="no checkpoint in"):
@@ -133,7 +133,7 @@ def test_model_dir_lora_lowers_the_loss_resumes_and_exports(tmp_path, kind):
     bit, and `ftrain export` writes a folder that loads with the merged model's logits."""
     import json
 
-    from ftrain.cli import main
+    from ftrain.app.cli import main
 
     model_dir = tiny_hf_dir(tmp_path / kind, kind)
     chats = write_jsonl(tmp_path / "chats.jsonl", arithmetic_chats())
@@ -192,7 +192,7 @@ def test_a_bf16_model_without_a_template_needs_one_chosen_and_its_export_keeps_a
     dtype, its use_cache and the chosen template, which apply_chat_template renders."""
     import json
 
-    from ftrain.cli import main
+    from ftrain.app.cli import main
     from ftrain.data import BUILTIN_CHAT_TEMPLATE, ByteTokenizer, render_chat
     from ftrain.models.hf import saved_dtype
 

@@ -1,10 +1,10 @@
-"""ftrain.foreach: each function is its torch._foreach_* kernel; inside looped() it runs per tensor
-with the kernel's own results, and then batches under vmap (also compiled) where the kernel has no
-batching rule."""
+"""ftrain.internals.foreach: each function is its torch._foreach_* kernel; inside looped() it runs
+per tensor with the kernel's own results, and then batches under vmap (also compiled) where the
+kernel has no batching rule."""
 
 import torch
 
-from ftrain import foreach
+from ftrain.internals import foreach
 
 
 def _lists(seed=0):

@@ -1,8 +1,8 @@
-"""ftrain.func_scope: a per-thread flag, set only inside entered()."""
+"""ftrain.internals.func_scope: a per-thread flag, set only inside entered()."""
 
 import threading
 
-from ftrain import func_scope
+from ftrain.internals import func_scope
 
 
 def test_set_inside_the_block_only_and_per_thread():

@@ -145,7 +145,7 @@ def test_attn_implementation_reaches_the_model_and_bad_ones_are_refused(tmp_path
     an unknown name, flash_attention_2 without flash-attn, or no --model-dir, a clear error."""
     import importlib.util
 
-    from ftrain.config import TrainConfig
+    from ftrain.app.config import TrainConfig
 
     folder = tiny_hf_dir(tmp_path / "m", "llama")
     x = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(0))

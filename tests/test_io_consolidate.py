@@ -11,8 +11,8 @@ import safetensors.torch
 import torch
 
 import ftrain as ft
-from ftrain.cli import main
-from ftrain.units import parse_bytes
+from ftrain.app.cli import main
+from ftrain.internals.units import parse_bytes
 
 from _tiny import tiny_gpt
 

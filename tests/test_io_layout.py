@@ -1,4 +1,5 @@
-"""Tests for ftrain.io.layout: a TrainState to (tree, tensors per file) and back, and tree diffs."""
+"""Tests for ftrain.io.state_files: a TrainState to (tree, tensors per file) and back, and tree
+diffs."""
 
 from pathlib import Path
 
@@ -7,7 +8,7 @@ import torch
 from tensordict import TensorDict
 
 import ftrain as ft
-from ftrain.io.layout import (
+from ftrain.io.state_files import (
     PARAMS_FILE,
     STATE_FILE,
     CheckpointError,

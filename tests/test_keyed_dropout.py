@@ -1,11 +1,11 @@
-"""ftrain.keyed_dropout: dropout masks as a pure function of a key, batched by vmap."""
+"""ftrain.internals.keyed_dropout: dropout masks as a pure function of a key, batched by vmap."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from ftrain import rng
-from ftrain.keyed_dropout import attention, dropout, keyed_dropout
+from ftrain.internals.keyed_dropout import attention, dropout, keyed_dropout
 
 
 def test_dropout_mask_is_the_keyed_uniform_stream():

@@ -1,5 +1,5 @@
-"""The training loop (ftrain.loop): outputs, resume bit for bit, kill -9, Ctrl-C, evaluation, and a
-config that train() resolves without changing."""
+"""The training loop (ftrain.app.loop): outputs, resume bit for bit, kill -9, Ctrl-C, evaluation,
+and a config that train() resolves without changing."""
 
 import copy
 import json
@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 
 import ftrain as ft
-from ftrain.cli import main, parser
-from ftrain.config import from_args
-from ftrain.loop import evaluate, train
-from ftrain.recipes import placement
+from ftrain.app.cli import main, parser
+from ftrain.app.config import from_args
+from ftrain.app.loop import train, validation_loss
+from ftrain.app.recipes import placement
 
 
 def _flat(path):
@@ -122,10 +122,10 @@ def test_evaluate_is_the_mean_token_loss_of_the_first_batches():
             logits.flatten(0, 1), torch.stack([r["target"] for r in rows[:6]]).flatten()
         )
     model.train()
-    got = evaluate(model, params, rows, cfg)
+    got = validation_loss(model, params, rows, cfg)
     assert got == pytest.approx(float(want), rel=1e-5)  # eval mode: no dropout
     assert model.training  # the mode is restored
-    assert evaluate(model, params, rows, cfg) == got  # the same rows every time
+    assert validation_loss(model, params, rows, cfg) == got  # the same rows every time
 
 
 def test_resume_without_a_checkpoint_starts_from_step_0(tmp_path, tiny_run, capsys):
@@ -226,19 +226,19 @@ def _train_and_stop_rank_0_at_its_first_log(cfg):
     the object collectives (pickled, a host sync each) the loop makes."""
     import torch.distributed as dist
 
-    import ftrain.rundir
+    import ftrain.app.run_folder
 
     rank = dist.get_rank()
     gathers, real_gather = [], dist.all_gather_object
     dist.all_gather_object = lambda *a, **kw: gathers.append(1) or real_gather(*a, **kw)
-    write = ftrain.rundir.MetricsLog.write
+    write = ftrain.app.run_folder.MetricsLog.write
 
     def write_then_interrupt(self, record):
         write(self, record)
         os.kill(os.getpid(), signal.SIGINT)  # the loop's handler only sets its stop flag
 
     if rank == 0:
-        ftrain.rundir.MetricsLog.write = write_then_interrupt
+        ftrain.app.run_folder.MetricsLog.write = write_then_interrupt
     summary = train(cfg)
     return summary["step"], summary.get("interrupted", False), len(gathers)
 

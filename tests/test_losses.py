@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import ftrain as ft
-from ftrain import dynamo
+from ftrain.internals import dynamo
 from ftrain.losses import ScalarLossWarning, as_loss, cross_entropy
 from ftrain.testing import assert_no_recompile, assert_steps_close
 

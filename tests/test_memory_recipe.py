@@ -2,9 +2,9 @@
 
 import pytest
 
-from ftrain.cli import parser
-from ftrain.config import TrainConfig, from_args
-from ftrain.memory.recipe import budget_bytes, fit_config
+from ftrain.app.cli import parser
+from ftrain.app.config import TrainConfig, from_args
+from ftrain.app.recipes.memory_budget import budget_bytes, fit_config
 
 
 def small(**kw):

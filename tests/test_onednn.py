@@ -218,11 +218,11 @@ def test_docstring_examples_run():
 
 @needs_onednn
 def test_a_compiled_torch_func_transform_keeps_f_linear():
-    """Under torch.compile the wrapper check cannot run: inside ftrain.func_scope.entered() (what
-    ft.vmap and ft.per_example_grads enter) a compiled vmap of grad takes F.linear and equals the
-    eager result; outside the scope the same traced code would take the oneDNN path, which vmap
-    cannot batch."""
-    from ftrain import func_scope
+    """Under torch.compile the wrapper check cannot run: inside
+    ftrain.internals.func_scope.entered() (what ft.vmap and ft.per_example_grads enter) a compiled
+    vmap of grad takes F.linear and equals the eager result; outside the scope the same traced code
+    would take the oneDNN path, which vmap cannot batch."""
+    from ftrain.internals import func_scope
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 64, 128, generator=g)  # 3 members, 64 rows: 1M multiply-adds each

@@ -318,7 +318,7 @@ def test_muon_adamw_takes_labels_and_names_what_is_wrong():
 
 def test_the_cli_trains_with_muon(tmp_path, tiny_run):
     """`--optimizer muon` is the muon_adamw recipe, with the flags' learning rate and decay."""
-    from ftrain.cli import main
+    from ftrain.app.cli import main
 
     out = tmp_path / "run"
     argv = [

@@ -1,4 +1,4 @@
-"""Settings the training process applies to itself (ftrain.process)."""
+"""Settings the training process applies to itself (ftrain.app.process)."""
 
 import platform
 import subprocess
@@ -20,7 +20,7 @@ def test_keep_freed_memory_stops_page_faults_in_the_training_loop():
 import resource, torch
 import ftrain as ft
 from ftrain.models import GPT, GPTConfig
-from ftrain.process import keep_freed_memory
+from ftrain.app.process import keep_freed_memory
 assert keep_freed_memory()
 torch.manual_seed(0)
 model = GPT(GPTConfig(vocab_size=257, seq_len=128, d_model=64, n_layer=2, n_head=2, bias=False))

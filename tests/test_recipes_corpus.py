@@ -1,11 +1,11 @@
-"""Tests for ftrain.recipes.corpus: the sources of a run and where their token cache lives."""
+"""Tests for ftrain.app.recipes.corpus: the sources of a run and where their token cache lives."""
 
 import io
 from pathlib import Path
 
 from ftrain import data
-from ftrain.config import TrainConfig
-from ftrain.recipes import corpus
+from ftrain.app.config import TrainConfig
+from ftrain.app.recipes import corpus
 
 
 def test_cache_dir_is_named_by_data_and_tokenizer(tmp_path, monkeypatch):

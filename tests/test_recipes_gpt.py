@@ -1,4 +1,4 @@
-"""The built-in recipe (ftrain.recipes.gpt): schedule, optimizer, loss, the composed step, the
+"""The built-in recipe (ftrain.app.recipes.gpt): schedule, optimizer, loss, the composed step, the
 initial state, sampling."""
 
 import copy
@@ -8,10 +8,11 @@ import pytest
 import torch
 
 import ftrain as ft
-from ftrain import optim, recipes
-from ftrain.cli import main, parser
-from ftrain.config import TrainConfig, from_args
-from ftrain.recipes import gpt
+from ftrain import optim
+from ftrain.app import recipes
+from ftrain.app.cli import main, parser
+from ftrain.app.config import TrainConfig, from_args
+from ftrain.app.recipes import gpt
 
 
 def _config(args):
@@ -224,7 +225,7 @@ def test_schedule_free_trains_y_and_evaluates_and_samples_at_x(tmp_path, tiny_ru
     the train params y and the state, validation and samples use x = (y - (1 - b1) z) / b1."""
     import json
 
-    from ftrain.loop import evaluate
+    from ftrain.app.loop import validation_loss
 
     out = tmp_path / "run"
     args = [*tiny_run, "--optimizer", "schedule_free_adamw", "--max-steps", "4", "--warmup", "2",
@@ -240,8 +241,8 @@ def test_schedule_free_trains_y_and_evaluates_and_samples_at_x(tmp_path, tiny_ru
         torch.testing.assert_close(t, (y[key] - 0.1 * z[key]) / 0.9, msg=str(key))
     recipe = gpt.build(cfg, quiet=True)
     val = [r["val_loss"] for r in records if "val_loss" in r]
-    assert val == [evaluate(recipe.model, x, recipe.valid, cfg)]
-    assert val[0] != evaluate(recipe.model, y, recipe.valid, cfg)
+    assert val == [validation_loss(recipe.model, x, recipe.valid, cfg)]
+    assert val[0] != validation_loss(recipe.model, y, recipe.valid, cfg)
     text = recipes.sample(out, "def ", 8, temperature=0.8, top_k=50)
     assert text == gpt.sample_text(recipe.model, x, "def ", 8)
     assert gpt.eval_params(_config(tiny_run), state) is y  # other optimizers: the train params

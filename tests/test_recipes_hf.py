@@ -1,5 +1,6 @@
-"""Tests for ftrain.recipes.hf: `ftrain train --model-dir M --data D` trains a Hugging Face model
-read from a folder, on chats whose loss is on the assistant's tokens, packed or not, resumable."""
+"""Tests for ftrain.app.recipes.hf: `ftrain train --model-dir M --data D` trains a Hugging Face
+model read from a folder, on chats whose loss is on the assistant's tokens, packed or not,
+resumable."""
 
 import json
 import os
@@ -11,14 +12,14 @@ import torch
 
 import ftrain as ft
 from ftrain import data
-from ftrain.cli import main
-from ftrain.config import TrainConfig
+from ftrain.app.cli import main
+from ftrain.app.config import TrainConfig
 
 from _hf import EOS, IM_END, arithmetic_chats, tiny_hf_dir, write_jsonl
 
 pytest.importorskip("transformers")
 
-from ftrain.recipes import hf  # noqa: E402
+from ftrain.app.recipes import hf  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""--resume (ftrain.resume, ftrain.run_settings): the run's own settings continue it (a bare
+"""--resume (ftrain.app.resume, ftrain.app.run_settings): the run's own settings continue it (a bare
 `ftrain train --out RUN --resume` equals the uninterrupted run), flags given override them and are
 printed; the settings that fix the run, the global batch, and an older checkpoint's per-process
 data positions are refused, naming the flag; the matmul kernel is recorded and reused."""
@@ -13,11 +13,11 @@ import pytest
 import torch
 
 import ftrain as ft
-from ftrain import rundir
-from ftrain.cli import main, parser
-from ftrain.config import TrainConfig, from_args
-from ftrain.loop import train
-from ftrain.resume import load_checked
+from ftrain.app import run_folder
+from ftrain.app.cli import main, parser
+from ftrain.app.config import TrainConfig, from_args
+from ftrain.app.loop import train
+from ftrain.app.resume import load_checked
 
 
 def _flat(path):
@@ -96,14 +96,14 @@ def test_resume_refuses_another_global_batch(tmp_path, tiny_run):
 def _interrupt_after(monkeypatch, step: int) -> None:
     """Ctrl-C (SIGINT to this process) once metrics.jsonl has the line of ``step``: the loop's
     handler sets its flag and the run stops after that step, saving a checkpoint."""
-    write = rundir.MetricsLog.write
+    write = run_folder.MetricsLog.write
 
     def write_then_interrupt(self, record):
         write(self, record)
         if record.get("step") == step and "loss" in record:
             os.kill(os.getpid(), signal.SIGINT)
 
-    monkeypatch.setattr(rundir.MetricsLog, "write", write_then_interrupt)
+    monkeypatch.setattr(run_folder.MetricsLog, "write", write_then_interrupt)
 
 
 def _interrupted_and_resumed(tmp_path, monkeypatch, capsys, flags, stop=3):
@@ -177,13 +177,13 @@ def test_resume_overrides_are_printed_and_fixed_settings_refused_before_any_data
     flags = [*tiny_run, "--max-steps", "4", "--warmup", "1", "--out", str(out)]
     assert main(["train", *flags]) == 0
     capsys.readouterr()
-    import ftrain.recipes.gpt
+    import ftrain.app.recipes.gpt
 
     def no_data(*args, **kwargs):
         raise AssertionError("the data was built before the refusal")
 
     with monkeypatch.context() as m:
-        m.setattr(ftrain.recipes.gpt, "build_data", no_data)
+        m.setattr(ftrain.app.recipes.gpt, "build_data", no_data)
         with pytest.raises(SystemExit) as e:
             main(["train", "--out", str(out), "--resume", "--seq-len", "64", "--lr", "1e-3"])
     assert e.value.code == 2
@@ -204,10 +204,10 @@ def test_the_run_records_the_matmul_kernel_and_a_resume_reuses_it_untimed(
     """--matmul auto is resolved once (a tiny model: torch, untimed) and recorded; a run whose
     timing chose onednn records it, says it first, and a bare --resume builds with it, never
     timing again."""
+    import ftrain.app.recipes.gpt
     import ftrain.models.onednn
-    import ftrain.recipes.gpt
+    from ftrain.app.recipes import gpt
     from ftrain.models import Linear
-    from ftrain.recipes import gpt
 
     def no_timing(*args, **kwargs):
         raise AssertionError("timed")
@@ -218,13 +218,13 @@ def test_the_run_records_the_matmul_kernel_and_a_resume_reuses_it_untimed(
     assert json.loads((small / "config.json").read_text())["matmul"] == "torch"
     assert "matmul torch" in capsys.readouterr().out
     with monkeypatch.context() as m:  # as if this CPU timed oneDNN faster for the run's shapes
-        m.setattr(ftrain.recipes.gpt, "choose_matmul", lambda config, rows: "onednn")
+        m.setattr(ftrain.app.recipes.gpt, "choose_matmul", lambda config, rows: "onednn")
         args = [*tiny_run, "--max-steps", "2", "--decay-steps", "4", "--out", str(chosen)]
         assert main(["train", *args]) == 0
     assert json.loads((chosen / "config.json").read_text())["matmul"] == "onednn"
     assert ft.load_meta(ft.latest_checkpoint(chosen))["extra"]["config"]["matmul"] == "onednn"
     capsys.readouterr()
-    monkeypatch.setattr(ftrain.recipes.gpt, "choose_matmul", no_timing)
+    monkeypatch.setattr(ftrain.app.recipes.gpt, "choose_matmul", no_timing)
     assert main(["train", "--out", str(chosen), "--resume", "--max-steps", "4"]) == 0
     first = capsys.readouterr().out.splitlines()[0]
     assert first.startswith("ftrain train: device") and "matmul oneDNN" in first
@@ -240,12 +240,12 @@ def _kernel_each_rank_builds(cfg):
     matmul each rank built its model with."""
     import torch.distributed as dist
 
-    import ftrain.recipes.gpt
+    import ftrain.app.recipes.gpt
 
     rank = dist.get_rank()
-    ftrain.recipes.gpt.choose_matmul = lambda config, rows: ("onednn", "torch")[rank]
-    built, build_model = [], ftrain.recipes.gpt.build_model
-    ftrain.recipes.gpt.build_model = lambda cfg: built.append(cfg.matmul) or build_model(cfg)
+    ftrain.app.recipes.gpt.choose_matmul = lambda config, rows: ("onednn", "torch")[rank]
+    built, build_model = [], ftrain.app.recipes.gpt.build_model
+    ftrain.app.recipes.gpt.build_model = lambda cfg: built.append(cfg.matmul) or build_model(cfg)
     train(cfg)
     return built
 

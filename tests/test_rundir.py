@@ -1,38 +1,38 @@
-"""The run folder (ftrain.rundir): --out checks, config.json, the saved settings of a checkpoint,
-metrics.jsonl trimmed on resume, and the loss-curve PNG."""
+"""The run folder (ftrain.app.run_folder): --out checks, config.json, the saved settings of a
+checkpoint, metrics.jsonl trimmed on resume, and the loss-curve PNG."""
 
 import json
 from pathlib import Path
 
 import pytest
 
-from ftrain import rundir
-from ftrain.cli import main
-from ftrain.config import TrainConfig
+from ftrain.app import run_folder
+from ftrain.app.cli import main
+from ftrain.app.config import TrainConfig
 
 
 def test_check_out_refuses_a_fresh_run_into_a_folder_with_checkpoints(tmp_path):
     out = tmp_path / "run"
-    rundir.check_out(TrainConfig(out=str(out)))  # no folder yet
+    run_folder.check_out(TrainConfig(out=str(out)))  # no folder yet
     out.mkdir()
     (out / "metrics.jsonl").write_text("")
-    rundir.check_out(TrainConfig(out=str(out)))  # a folder without checkpoints
+    run_folder.check_out(TrainConfig(out=str(out)))  # a folder without checkpoints
     for step in (1, 2, 3, 4):
         (out / f"checkpoint-{step}").mkdir()
     with pytest.raises(ValueError) as e:
-        rundir.check_out(TrainConfig(out=str(out)))
+        run_folder.check_out(TrainConfig(out=str(out)))
     message = str(e.value)
     assert f"--out {out}" in message and "checkpoint-1, checkpoint-2, checkpoint-3, ..." in message
     assert "--resume" in message and "another --out" in message
-    rundir.check_out(TrainConfig(out=str(out), resume=True))  # continuing it is the point
-    rundir.check_out(TrainConfig())  # no --out: a new dated folder
+    run_folder.check_out(TrainConfig(out=str(out), resume=True))  # continuing it is the point
+    run_folder.check_out(TrainConfig())  # no --out: a new dated folder
 
 
 def test_prepare_out_creates_the_folder_or_a_dated_one(tmp_path, monkeypatch):
-    out = rundir.prepare_out(TrainConfig(out=str(tmp_path / "a" / "b")))
+    out = run_folder.prepare_out(TrainConfig(out=str(tmp_path / "a" / "b")))
     assert out == tmp_path / "a" / "b" and out.is_dir() and not list(out.iterdir())
     monkeypatch.chdir(tmp_path)
-    dated = rundir.prepare_out(TrainConfig())
+    dated = run_folder.prepare_out(TrainConfig())
     assert dated.parent == Path("runs") and dated.is_dir()  # runs/<date-time>, under the cwd
     assert len(dated.name) == len("20260101-120000") and dated.name[8] == "-"
 
@@ -43,33 +43,33 @@ def test_unwritable_out_is_an_error_before_training(tmp_path, tiny_run):
     with pytest.raises(SystemExit, match="cannot write to --out"):
         main(["train", *tiny_run, "--out", str(blocker / "run")])
     with pytest.raises(SystemExit, match=f"cannot write to --out {blocker / 'run'}: "):
-        rundir.prepare_out(TrainConfig(out=str(blocker / "run")))
+        run_folder.prepare_out(TrainConfig(out=str(blocker / "run")))
 
 
 def test_write_config_and_saved_config(tmp_path):
     cfg = TrainConfig(d_model=48, lr_schedule="wsd", out=str(tmp_path))
-    rundir.write_config(tmp_path, cfg)
+    run_folder.write_config(tmp_path, cfg)
     assert json.loads((tmp_path / "config.json").read_text()) == cfg.to_dict()
-    assert rundir.saved_config({"extra": {"config": cfg.to_dict()}}) == cfg.to_dict()
-    assert rundir.saved_config({"extra": {}}) == {}  # a checkpoint saved without settings
+    assert run_folder.saved_config({"extra": {"config": cfg.to_dict()}}) == cfg.to_dict()
+    assert run_folder.saved_config({"extra": {}}) == {}  # a checkpoint saved without settings
     old = {k: v for k, v in cfg.to_dict().items() if k != "bias"}  # saved before --bias existed
-    assert rundir.saved_config({"extra": {"config": old}}) == {**old, "bias": True}
+    assert run_folder.saved_config({"extra": {"config": old}}) == {**old, "bias": True}
 
 
 def test_metrics_log_reads_as_one_run_after_a_resume(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    log = rundir.MetricsLog(path, 0)
+    log = run_folder.MetricsLog(path, 0)
     for step in range(1, 6):
         log.write({"step": step, "loss": 1.0 / step})
     log.write({"step": 4, "val_loss": 0.5})
     assert [r["step"] for r in log.records()] == [1, 2, 3, 4, 5, 4]
 
-    resumed = rundir.MetricsLog(path, 3)  # the checkpoint is at step 3: later lines are dropped
+    resumed = run_folder.MetricsLog(path, 3)  # the checkpoint is at step 3: later lines are dropped
     assert resumed.records() == [{"step": s, "loss": 1.0 / s} for s in (1, 2, 3)]
     resumed.write({"step": 4, "loss": 0.2})
     assert [r["step"] for r in resumed.records()] == [1, 2, 3, 4]
 
-    fresh = rundir.MetricsLog(path, 0)  # a fresh run starts an empty log
+    fresh = run_folder.MetricsLog(path, 0)  # a fresh run starts an empty log
     assert not path.exists() and fresh.records() == []
 
 
@@ -79,7 +79,7 @@ def test_plot_losses_writes_a_png_and_leaves_pyplot_alone(tmp_path):
 
     backend, figures = matplotlib.get_backend(), plt.get_fignums()
     records = [{"step": s, "loss": 3.0 / s} for s in range(1, 11)] + [{"step": 10, "val_loss": 0.4}]
-    rundir.plot_losses(records, tmp_path / "loss.png")
+    run_folder.plot_losses(records, tmp_path / "loss.png")
     data = (tmp_path / "loss.png").read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
     assert matplotlib.get_backend() == backend and plt.get_fignums() == figures

@@ -100,8 +100,8 @@ def test_chat_reply_renders_the_template_and_stops_at_the_end_of_turn(tmp_path):
     pytest.importorskip("tokenizers")
     import ftrain as ft
     from ftrain import data
-    from ftrain.config import TrainConfig
-    from ftrain.recipes.finetune import LoadedRun, chat_reply
+    from ftrain.app.config import TrainConfig
+    from ftrain.app.recipes.finetune import LoadedRun, chat_reply
 
     from _hf import CHATML, IM_END, bpe_tokenizer
 
@@ -125,7 +125,7 @@ def test_a_run_records_its_model_and_travels(tmp_path, monkeypatch):
     import shutil
 
     pytest.importorskip("transformers")
-    from ftrain.cli import main
+    from ftrain.app.cli import main
 
     from _hf import CHATML, arithmetic_chats, tiny_hf_dir, write_jsonl
 
@@ -174,10 +174,10 @@ def test_a_run_records_its_model_and_travels(tmp_path, monkeypatch):
 def test_sample_defaults_to_a_chat_turn_on_a_chat_model(tmp_path, monkeypatch, capsys):
     """A byte-level GPT trained on chats records the built-in template: its end-of-run sample
     and `ftrain sample` without a prompt answer a chat turn, not 'def ' continued."""
-    import ftrain.recipes.finetune as finetune
-    from ftrain.cli import main
+    import ftrain.app.recipes.finetune as finetune
+    from ftrain.app.cli import main
+    from ftrain.app.recipes.finetune import DEFAULT_CHAT
     from ftrain.data import BUILTIN_CHAT_TEMPLATE
-    from ftrain.recipes.finetune import DEFAULT_CHAT
 
     from _hf import arithmetic_chats, write_jsonl
 

@@ -1,5 +1,5 @@
-"""ftrain.scoped: a Scoped value is the innermost ``using`` block's on the same thread, the
-default elsewhere, and leaving a block restores what it found, also on error."""
+"""ftrain.internals.scoped: a Scoped value is the innermost ``using`` block's on the same thread,
+the default elsewhere, and leaving a block restores what it found, also on error."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from ftrain.scoped import Scoped
+from ftrain.internals.scoped import Scoped
 
 
 def test_blocks_nest_and_leaving_one_restores_the_value_it_found():
@@ -67,7 +67,7 @@ def test_a_compiled_function_reading_it_does_not_recompile_after_its_first_block
     thread's value exists), or the second call of a compiled step recompiles."""
     import torch
 
-    from ftrain import dynamo
+    from ftrain.internals import dynamo
 
     v = Scoped("v", None)
 

@@ -6,11 +6,11 @@ import math
 
 import pytest
 
-from ftrain.cli import parser
-from ftrain.config import from_args
-from ftrain.loop import train
-from ftrain.rundir import MetricsLog
-from ftrain.sinks import Sink, TensorBoardSink, make_sinks
+from ftrain.app.cli import parser
+from ftrain.app.config import from_args
+from ftrain.app.loop import train
+from ftrain.app.run_folder import MetricsLog
+from ftrain.app.sinks import Sink, TensorBoardSink, make_sinks
 
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
 
@@ -79,7 +79,7 @@ def test_a_run_logs_to_tensorboard_and_to_a_users_sink(tmp_path, tiny_run):
 def test_a_missing_tensorboard_is_refused_before_the_run_builds(tmp_path, tiny_run, monkeypatch):
     import sys
 
-    from ftrain import recipes
+    from ftrain.app import recipes
 
     def never(*a, **k):
         raise AssertionError("the recipe was built before --log was checked")

@@ -1,4 +1,4 @@
-"""ftrain.step.record: the train step's own guarantees (``ft.train_step``, ``ft.Step``): purity and
+"""ftrain.step.core: the train step's own guarantees (``ft.train_step``, ``ft.Step``): purity and
 donation, explicit randomness, metrics, exact loss normalization, and bad input refused by name."""
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from torch import nn
 import ftrain as ft
 from ftrain import optim
 from ftrain.apply import rewritten
-from ftrain.blocks import replace_forwards
+from ftrain.internals.blocks import replace_forwards
 from ftrain.optim import GradientTransformation
 from ftrain.step import capabilities
 from ftrain.testing import assert_steps_close

@@ -1,4 +1,4 @@
-"""ft.checkpoint (ftrain.transforms.checkpoint): the same loss and gradients as without it, dropout
+"""ft.checkpoint (ftrain.transforms.recompute): the same loss and gradients as without it, dropout
 included, with fewer bytes saved for backward; and its argument checks."""
 
 import pytest

@@ -179,7 +179,7 @@ def test_what_is_applied_after_compile_is_compiled_too():
     """Compile's place among the transforms changes nothing: accumulate, checkpoint and autocast
     applied after it act inside the compiled function (dynamo compiles new frames for them) and
     give the result of the same transforms applied before it."""
-    from ftrain import dynamo
+    from ftrain.internals import dynamo
 
     _, step, state = gpt_step()
     batch = lm_batch(8)

@@ -248,7 +248,7 @@ def test_a_lora_run_resumes_bit_for_bit(tmp_path, tiny_run):
     """8 steps == 4 steps + --resume to 8 (adapters, optimizer state, data position; the frozen
     base rebuilt); the checkpoint's params are the adapters only, its optimizer state theirs,
     and it holds no base."""
-    from ftrain.cli import main
+    from ftrain.app.cli import main
 
     common = [*tiny_run, "--lora-rank", "2", "--lora-alpha", "4", "--lora-targets",
               "attn.qkv,mlp.fc", "--warmup", "2", "--save-every", "4"]  # fmt: skip
@@ -268,7 +268,7 @@ def test_a_lora_run_resumes_bit_for_bit(tmp_path, tiny_run):
 
 
 def test_the_lora_settings_are_config_file_keys(tmp_path):
-    from ftrain.config import TrainConfig, load_toml
+    from ftrain.app.config import TrainConfig, load_toml
 
     path = tmp_path / "lora.toml"
     path.write_text('lora_rank = 4\nlora-alpha = 8\nlora_targets = "attn.qkv,mlp.fc"\n')
@@ -279,7 +279,7 @@ def test_the_lora_settings_are_config_file_keys(tmp_path):
 
 
 def test_a_lora_target_that_matches_nothing_is_a_usage_error(tmp_path, tiny_run):
-    from ftrain.cli import main
+    from ftrain.app.cli import main
 
     with pytest.raises(SystemExit, match=r"--lora-targets attn\.q: .*selects no linear layer"):
         main(["train", *tiny_run, "--lora-rank", "2", "--lora-targets", "attn.q",

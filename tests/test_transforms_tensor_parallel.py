@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import ftrain as ft
-from ftrain.distributed.plans import Colwise, gpt_plan, hf_gpt2_plan, hf_llama_plan
+from ftrain.distributed.tensor_parallel.plans import Colwise, gpt_plan, hf_gpt2_plan, hf_llama_plan
 from ftrain.testing import run_distributed
 from ftrain.transforms.tensor_parallel import TensorParallel
 from tests._tiny import assert_trees_close, lm_batch, lm_loss, max_tree_diff, tiny_gpt
@@ -378,8 +378,8 @@ class _SequenceDropoutReference(ft.Transform):
         return rewritten(fn, self, "reference dropout")
 
     def rewrite(self, module):
-        from ftrain.blocks import replace_forwards
         from ftrain.distributed import sequence_dropout
+        from ftrain.internals.blocks import replace_forwards
 
         def make(current):
             return lambda x: sequence_dropout(x, current.p, torch.randint(0, 2**62, ()))

@@ -1,4 +1,4 @@
-"""Validation you choose (ftrain.data.plan_split, ftrain.recipes.rows): --eval-data,
+"""Validation you choose (ftrain.data.plan_split, ftrain.app.recipes.rows): --eval-data,
 --val-fraction, --epochs, a small corpus that trains with validation off, the startup summary."""
 
 import json
@@ -12,10 +12,10 @@ import torch.nn.functional as F
 
 import ftrain as ft
 from ftrain import data
-from ftrain.cli import main
-from ftrain.config import TrainConfig
-from ftrain.loop import train
-from ftrain.recipes import gpt, rows
+from ftrain.app.cli import main
+from ftrain.app.config import TrainConfig
+from ftrain.app.loop import train
+from ftrain.app.recipes import gpt, rows
 
 L, B = 16, 4  # --seq-len, --batch-size
 TINY = dict(d_model=16, n_layer=1, n_head=2, seq_len=L, batch_size=B, sample_tokens=0,

@@ -1,6 +1,8 @@
-"""Data and tensor parallelism on ``torch.distributed``: process-group set-up, flat collectives,
-DTensor plumbing, ZeRO state layouts, FSDP gathering, tensor-parallel plans, layouts and model
-copies, and the split over ``dp`` of a tensor-parallel state (``dp_split``). The ``ft.shard`` and
+"""Data and tensor parallelism on ``torch.distributed``: what both use here (process-group set-up
+(``launch``), flat collectives (``collectives``), DTensor plumbing (``dtensor``)), data parallelism
+in ``data_parallel`` (ZeRO layouts, FSDP gathering, the split over ``dp`` of a tensor-parallel
+state) and tensor parallelism in ``tensor_parallel`` (plans, the mesh, model copies, sequence
+parallelism, the vocabulary-parallel loss). The ``ft.shard`` and
 ``ft.tensor_parallel`` transforms (``ftrain.transforms``) are built from these.
 
     torchrun --nproc_per_node 2 -m ftrain train --shard fsdp
@@ -8,7 +10,14 @@ copies, and the split over ``dp`` of a tensor-parallel state (``dp_split``). The
     results = ft.distributed.run_distributed(fn, world_size=2)   # in tests and notebooks
 """
 
-from ftrain.distributed.fsdp import track_gathered
+from ftrain.distributed.data_parallel.fsdp import track_gathered
+from ftrain.distributed.data_parallel.zero import (
+    STRATEGIES,
+    local_bytes,
+    shard_state,
+    unshard,
+    unshard_state,
+)
 from ftrain.distributed.launch import (
     DistributedError,
     check_mesh,
@@ -19,7 +28,8 @@ from ftrain.distributed.launch import (
     require_group,
     run_distributed,
 )
-from ftrain.distributed.plans import (
+from ftrain.distributed.tensor_parallel.mesh import tp_mesh
+from ftrain.distributed.tensor_parallel.plans import (
     Colwise,
     Divide,
     Rowwise,
@@ -28,7 +38,7 @@ from ftrain.distributed.plans import (
     hf_gpt2_plan,
     hf_llama_plan,
 )
-from ftrain.distributed.sequence import (
+from ftrain.distributed.tensor_parallel.sequence import (
     colwise_linear_sp,
     gather_sequence,
     reduce_scatter_sequence,
@@ -37,14 +47,9 @@ from ftrain.distributed.sequence import (
     split_sequence,
     sum_partial_grads,
 )
-from ftrain.distributed.tp_layout import tp_mesh
-from ftrain.distributed.vocab import vocab_parallel_cross_entropy, vocab_parallel_token_losses
-from ftrain.distributed.zero import (
-    STRATEGIES,
-    local_bytes,
-    shard_state,
-    unshard,
-    unshard_state,
+from ftrain.distributed.tensor_parallel.vocab_loss import (
+    vocab_parallel_cross_entropy,
+    vocab_parallel_token_losses,
 )
 
 __all__ = [

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from ftrain import foreach
 from ftrain.distributed.dtensor import dtensor, from_local, is_dtensor, local, placements_of
+from ftrain.internals import foreach
 
 __all__ = [
     "Layout",

@@ -48,15 +48,6 @@ from tensordict import TensorDict
 
 from ftrain.io import atomic, reshard, sharded, tensorfile
 from ftrain.io.background import SaveHandle
-from ftrain.io.layout import (
-    PARAMS_FILE,
-    STATE_FILE,
-    CheckpointError,
-    differences,
-    flatten,
-    tree_of,
-    unflatten,
-)
 from ftrain.io.meta import (
     FORMAT,
     META_FILE,
@@ -66,6 +57,15 @@ from ftrain.io.meta import (
     read_meta,
     verify_file,
     versions,
+)
+from ftrain.io.state_files import (
+    PARAMS_FILE,
+    STATE_FILE,
+    CheckpointError,
+    differences,
+    flatten,
+    tree_of,
+    unflatten,
 )
 from ftrain.state import TrainState
 from ftrain.tree import SEP

@@ -21,11 +21,11 @@ import os
 import re
 from pathlib import Path
 
+from ftrain.internals.units import parse_bytes
 from ftrain.io import atomic, reshard, tensorfile
 from ftrain.io.checkpoint import load_meta
-from ftrain.io.layout import CheckpointError
 from ftrain.io.runs import latest_checkpoint
-from ftrain.units import parse_bytes
+from ftrain.io.state_files import CheckpointError
 
 __all__ = ["INDEX_FILE", "SINGLE_FILE", "consolidate"]
 

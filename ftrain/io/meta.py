@@ -16,8 +16,8 @@ import safetensors
 import tensordict
 import torch
 
-from ftrain.io.layout import CheckpointError
-from ftrain.version import __version__
+from ftrain.internals.version import __version__
+from ftrain.io.state_files import CheckpointError
 
 __all__ = [
     "FORMAT",

@@ -22,9 +22,9 @@ from tensordict import TensorDict
 
 from ftrain.distributed.dtensor import from_local, is_dtensor, local
 from ftrain.io import tensorfile
-from ftrain.io.layout import FIELDS, PARAMS_FILE, STATE_FILE, CheckpointError
 from ftrain.io.meta import META_FILE, verify_file
 from ftrain.io.sharded import boxes_of, leaves
+from ftrain.io.state_files import FIELDS, PARAMS_FILE, STATE_FILE, CheckpointError
 from ftrain.state import TrainState
 from ftrain.tree import SEP
 

@@ -46,7 +46,6 @@ import torch.distributed as dist
 
 from ftrain.distributed.dtensor import is_dtensor, local, shard_dim, split_factor
 from ftrain.io import atomic, tensorfile
-from ftrain.io.layout import FIELDS, CheckpointError, tree_of
 from ftrain.io.meta import (
     FORMAT,
     META_FILE,
@@ -54,6 +53,7 @@ from ftrain.io.meta import (
     meta_checksum,
     versions,
 )
+from ftrain.io.state_files import FIELDS, CheckpointError, tree_of
 from ftrain.state import TrainState
 from ftrain.tree import SEP
 

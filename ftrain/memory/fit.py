@@ -8,16 +8,16 @@ from typing import Any
 import torch
 
 from ftrain import tree
-from ftrain.batch import batch_rows
+from ftrain.distributed.data_parallel.zero import STRATEGIES
 from ftrain.distributed.launch import is_initialized
-from ftrain.distributed.zero import STRATEGIES
-from ftrain.memory.plan import memory
+from ftrain.internals.batch import batch_rows
+from ftrain.memory.predict import memory
 from ftrain.memory.report import Candidate, FitReport, MemoryReport, format_bytes, parse_bytes
 from ftrain.step import Step
 from ftrain.transforms.accumulate import Accumulate
 from ftrain.transforms.autocast import Autocast
-from ftrain.transforms.checkpoint import POLICIES, Checkpoint
 from ftrain.transforms.compile import Compile
+from ftrain.transforms.recompute import POLICIES, Checkpoint
 from ftrain.transforms.shard import Shard
 
 __all__ = ["fit", "OVERHEAD", "BF16_SPEEDUP"]
@@ -158,7 +158,7 @@ def _compose(
 ) -> Step:
     """``step`` with accumulate, checkpoint, autocast and shard replaced: the others (yours
     included) innermost, as applied; then autocast, checkpoint, accumulate, shard, compile (the
-    recipe's order, ``ftrain.recipes.gpt.build_step``)."""
+    recipe's order, ``ftrain.app.recipes.gpt.build_step``)."""
     replaced = (Accumulate, Checkpoint, Autocast, Shard, Compile)
     old_ckpt = next((t for t in step.transforms if isinstance(t, Checkpoint)), None)
     old_auto = next((t for t in step.transforms if isinstance(t, Autocast)), None)

@@ -1,11 +1,11 @@
 """What ``ft.memory`` and ``ft.fit`` return: :class:`MemoryReport` and :class:`FitReport`
-(byte sizes are read and written by :mod:`ftrain.units`)."""
+(byte sizes are read and written by :mod:`ftrain.internals.units`)."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from ftrain.units import format_bytes, parse_bytes
+from ftrain.internals.units import format_bytes, parse_bytes
 
 __all__ = ["MemoryReport", "FitReport", "Candidate", "parse_bytes", "format_bytes"]
 

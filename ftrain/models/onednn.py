@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from ftrain import func_scope
+from ftrain.internals import func_scope
 
 __all__ = [
     "linear",

@@ -37,6 +37,18 @@ from ftrain.optim.muon import (
     scale_by_shape,
 )
 from ftrain.optim.partition import partition
+from ftrain.optim.primitives import (
+    add_decayed_weights,
+    clip_by_block_rms,
+    clip_by_global_norm,
+    global_norm,
+    scale,
+    scale_by_adam,
+    scale_by_learning_rate,
+    scale_by_lion,
+    scale_by_schedule,
+    trace,
+)
 from ftrain.optim.quantized import adamw8bit, scale_by_adam_8bit
 from ftrain.optim.schedule_free import schedule_free_adamw, schedule_free_eval_params
 from ftrain.optim.schedules import (
@@ -50,18 +62,6 @@ from ftrain.optim.schedules import (
     linear_warmup,
     warmup_cosine,
     wsd,
-)
-from ftrain.optim.transforms import (
-    add_decayed_weights,
-    clip_by_block_rms,
-    clip_by_global_norm,
-    global_norm,
-    scale,
-    scale_by_adam,
-    scale_by_learning_rate,
-    scale_by_lion,
-    scale_by_schedule,
-    trace,
 )
 from ftrain.optim.updates import apply_updates, update_and_apply
 

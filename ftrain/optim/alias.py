@@ -12,8 +12,7 @@ from ftrain.optim.base import GradientTransformation, chain
 from ftrain.optim.checks import check_lr, check_range, checked
 from ftrain.optim.factorized import scale_by_factored_rms, scale_by_param_block_rms
 from ftrain.optim.fused import adam_transform, check_fused, fused_sgd
-from ftrain.optim.schedules import Schedule, as_schedule
-from ftrain.optim.transforms import (
+from ftrain.optim.primitives import (
     add_decayed_weights,
     clip_by_block_rms,
     scale_by_learning_rate,
@@ -21,6 +20,7 @@ from ftrain.optim.transforms import (
     scale_by_schedule,
     trace,
 )
+from ftrain.optim.schedules import Schedule, as_schedule
 
 __all__ = ["sgd", "adam", "adamw", "lion", "adafactor", "decay_mask", "OPTIMIZERS"]
 

@@ -29,7 +29,8 @@ from typing import NamedTuple
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from ftrain import foreach, tree
+from ftrain import tree
+from ftrain.internals import foreach
 from ftrain.tree import TreeDef
 
 __all__ = [

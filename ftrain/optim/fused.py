@@ -48,7 +48,8 @@ from collections.abc import Callable
 
 import torch
 
-from ftrain import foreach, tree
+from ftrain import tree
+from ftrain.internals import foreach
 from ftrain.optim import kernels
 from ftrain.optim.base import (
     GradientTransformation,
@@ -60,8 +61,8 @@ from ftrain.optim.base import (
     mask_flags,
 )
 from ftrain.optim.kernels import check_same_keys
+from ftrain.optim.primitives import add_decayed_weights, scale_by_adam, scale_by_learning_rate
 from ftrain.optim.schedules import as_schedule
-from ftrain.optim.transforms import add_decayed_weights, scale_by_adam, scale_by_learning_rate
 
 __all__ = ["adam_transform", "fused_adam", "fused_sgd", "check_fused"]
 

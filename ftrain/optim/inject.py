@@ -19,6 +19,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from ftrain import tree
+from ftrain.internals.scoped import Scoped
 from ftrain.optim.base import (
     GradientTransformation,
     LeafContext,
@@ -28,7 +29,6 @@ from ftrain.optim.base import (
     leafwise,
 )
 from ftrain.optim.kernels import zero_count
-from ftrain.scoped import Scoped
 
 __all__ = ["inject_hyperparams", "set_hyperparams", "HYPERPARAM_DTYPE"]
 

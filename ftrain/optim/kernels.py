@@ -3,18 +3,18 @@ arithmetic on leaf lists, checks of a state's structure, per-tensor norms; and t
 optimizer kernels (``torch._fused_adam_``, ``torch._fused_adamw_``, ``torch._fused_sgd_``).
 
 Those kernels are private torch names, called here and nowhere else in ftrain (as ``torch._foreach_*``
-are called only in :mod:`ftrain.foreach`): :func:`fused_refusal` says whether they run on a list of
-leaves, :func:`fused_adam_` and :func:`fused_sgd_` call them. They exist in torch 2.4 and later on
-the CPU and on every device of ``torch.optim``'s ``fused=True`` (CUDA, XPU, MPS, ...), each with an
-overload that takes the learning rate as a tensor, so a schedule's value reaches them without a host
-read.
+are called only in :mod:`ftrain.internals.foreach`): :func:`fused_refusal` says whether they run on
+a list of leaves, :func:`fused_adam_` and :func:`fused_sgd_` call them. They exist in torch 2.4 and
+later on the CPU and on every device of ``torch.optim``'s ``fused=True`` (CUDA, XPU, MPS, ...), each
+with an overload that takes the learning rate as a tensor, so a schedule's value reaches them
+without a host read.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ftrain import foreach
+from ftrain.internals import foreach
 from ftrain.optim.base import LeafContext
 
 __all__ = [

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from ftrain import foreach, tree
+from ftrain import tree
+from ftrain.internals import foreach
 from ftrain.optim.base import GradientTransformation, chain, empty_state
 from ftrain.optim.checks import check_lr, check_range, checked
-from ftrain.optim.transforms import add_decayed_weights, scale_by_adam, scale_by_learning_rate
+from ftrain.optim.primitives import add_decayed_weights, scale_by_adam, scale_by_learning_rate
 
 __all__ = ["scale_by_trust_ratio", "lamb"]
 

@@ -27,14 +27,15 @@ from collections.abc import Sequence
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from ftrain import foreach, tree
+from ftrain import tree
+from ftrain.internals import foreach
 from ftrain.optim.base import GradientTransformation, chain, empty_state, leafwise
 from ftrain.optim.checks import check_range, checked
 from ftrain.optim.fused import adam_transform, check_fused
 from ftrain.optim.kernels import as_update, check_same_keys, mul
 from ftrain.optim.partition import partition
+from ftrain.optim.primitives import add_decayed_weights, scale_by_learning_rate
 from ftrain.optim.schedules import Schedule
-from ftrain.optim.transforms import add_decayed_weights, scale_by_learning_rate
 
 __all__ = [
     "NS_COEFFICIENTS",
@@ -166,7 +167,8 @@ def orthogonalize(
     Every param must be 2-D (checked at ``init`` and at every update, naming the others).
     Matrices of the same shape go through Newton–Schulz together, as one batch. Sharded updates
     (DTensors, under ``ft.shard`` zero1/zero2/fsdp) go through
-    :func:`ftrain.distributed.owners.on_owners`: each matrix has one owner rank (balanced by
+    :func:`ftrain.distributed.data_parallel.owners.on_owners`: each matrix has one owner rank
+    (balanced by
     :func:`newton_schulz_cost`), its rows travel there in bfloat16, the owner orthogonalizes it
     and sends each rank its rows of the result. The result equals the unsharded one.
     """
@@ -191,7 +193,7 @@ def orthogonalize(
         _check_matrices(u, ctx.tree.paths)
         if any(_is_dtensor(x) for x in u):
             # only reached with DTensors, so ftrain.distributed is loaded already
-            from ftrain.distributed.owners import on_owners
+            from ftrain.distributed.data_parallel.owners import on_owners
 
             done = on_owners(ortho, u, cost=newton_schulz_cost, dtype=torch.bfloat16)
         else:

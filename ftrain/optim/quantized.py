@@ -19,7 +19,7 @@ from tensordict import TensorDict
 from ftrain import tree
 from ftrain.optim.base import GradientTransformation, chain
 from ftrain.optim.checks import check_lr, check_range, checked
-from ftrain.optim.transforms import (
+from ftrain.optim.primitives import (
     add_decayed_weights,
     scale_by_learning_rate,
 )

@@ -26,12 +26,13 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from ftrain import foreach, tree
+from ftrain import tree
+from ftrain.internals import foreach
 from ftrain.optim.base import GradientTransformation, LeafContext, chain, leaf_update, leafwise
 from ftrain.optim.checks import check_range, checked
 from ftrain.optim.kernels import check_same_keys, mul, zero_count
+from ftrain.optim.primitives import add_decayed_weights, scale_by_learning_rate
 from ftrain.optim.schedules import Schedule, as_schedule
-from ftrain.optim.transforms import add_decayed_weights, scale_by_learning_rate
 
 __all__ = ["schedule_free_adamw", "schedule_free_eval_params"]
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from tensordict import TensorDictBase
 
-from ftrain import foreach, tree
+from ftrain import tree
+from ftrain.internals import foreach
 from ftrain.optim.base import GradientTransformation, LeafContext, leaf_apply
 
 __all__ = ["apply_updates", "update_and_apply"]

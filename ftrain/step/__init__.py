@@ -9,9 +9,9 @@
 """
 
 from ftrain.step import capabilities
+from ftrain.step.core import Resolved, Step, train_step
 from ftrain.step.engine import AutogradEngine, BackwardPlan, GradEngine, Grads, backward_plan
 from ftrain.step.func_engine import FuncEngine
-from ftrain.step.record import Resolved, Step, train_step
 from ftrain.step.transform import HOOKS, STAGES, Gradients, LossCall, StepFn, Transform
 
 __all__ = [

@@ -14,9 +14,10 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from tensordict import TensorDict
 
-from ftrain import foreach, tree
+from ftrain import tree
+from ftrain.internals import foreach
+from ftrain.internals.scoped import Scoped
 from ftrain.losses import Loss
-from ftrain.scoped import Scoped
 
 __all__ = [
     "Grads",

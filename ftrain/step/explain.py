@@ -8,12 +8,9 @@ order the capabilities impose), so it cannot disagree with what a call does.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import Any, NamedTuple
 
 from ftrain.step import capabilities
-
-if TYPE_CHECKING:
-    from ftrain.step.record import Step
 
 __all__ = ["Row", "rows", "explain"]
 
@@ -27,8 +24,9 @@ class Row(NamedTuple):
     runs: str  # "once" (when built), "eager", "compiled" or "compiled per micro-batch"
 
 
-def rows(step: Step) -> list[Row]:
-    """The rows of :func:`explain`, in the order the hooks run (build first, then one call)."""
+def rows(step: Any) -> list[Row]:
+    """The rows of :func:`explain` for ``step`` (an ``ft.Step``: what its ``resolved`` holds), in
+    the order the hooks run (build first, then one call)."""
     hooks = step.resolved
     ts = step.transforms
     compiled = any(capabilities.COMPILES in t.capabilities() for t in ts)
@@ -61,7 +59,7 @@ def rows(step: Step) -> list[Row]:
     ]
 
 
-def explain(step: Step) -> str:
+def explain(step: Any) -> str:
     """A table of :func:`rows`: one line per hook, in the order they run."""
     lines = [repr(step)]
     width = max(len(r.hook) for r in rows(step))

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from ftrain import foreach, tree
+from ftrain import tree
+from ftrain.internals import foreach
 from ftrain.step.engine import Forward, Grads, add_aux, nonzero
 
 __all__ = ["FuncEngine"]

@@ -2,11 +2,11 @@
 
 from ftrain.transforms.accumulate import Accumulate, accumulate
 from ftrain.transforms.autocast import Autocast, DynamicLossScale, StaticLossScale, autocast
-from ftrain.transforms.checkpoint import Checkpoint, checkpoint
 from ftrain.transforms.compile import Compile, compile
 from ftrain.transforms.dp_sgd import DpSgd, dp_sgd
 from ftrain.transforms.ema import Ema, ema
 from ftrain.transforms.lora import Lora, lora, merge_lora
+from ftrain.transforms.recompute import Checkpoint, checkpoint
 from ftrain.transforms.shard import Shard, shard
 from ftrain.transforms.tensor_parallel import TensorParallel, tensor_parallel
 from ftrain.transforms.vmap import Vmap, vmap

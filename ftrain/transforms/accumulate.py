@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ftrain.batch import batch_rows, split_batch
+from ftrain.internals.batch import batch_rows, split_batch
 from ftrain.step import Step, Transform
 from ftrain.step.capabilities import SPLITS_BATCH
 

@@ -8,8 +8,9 @@ from typing import Any
 
 import torch
 
-from ftrain import foreach, tree
-from ftrain.dynamo import refused_rematerialization, tracing_autograd
+from ftrain import tree
+from ftrain.internals import foreach
+from ftrain.internals.dynamo import refused_rematerialization, tracing_autograd
 from ftrain.step import Grads, Step, StepFn, Transform
 from ftrain.step.capabilities import COMPILES
 from ftrain.step.engine import add_aux
@@ -50,9 +51,9 @@ class _CompiledStep:
     graph (scoped to each call: the setting is read while dynamo traces).
 
     Where the compiler refuses to recompute checkpointed blocks inside that one graph (see
-    ``ftrain.dynamo.refused_rematerialization``), the backward is compiled apart instead: dynamo
-    then hands the forward to AOT autograd, whose joint graph recomputes the blocks with their
-    random numbers, and the rest is a graph of its own. That is decided on the first call (the
+    ``ftrain.internals.dynamo.refused_rematerialization``), the backward is compiled apart instead:
+    dynamo then hands the forward to AOT autograd, whose joint graph recomputes the blocks with
+    their random numbers, and the rest is a graph of its own. That is decided on the first call (the
     compile is refused before anything runs, so nothing was changed) and said once.
     """
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from ftrain import foreach, tree
+from ftrain import tree
+from ftrain.internals import foreach
 from ftrain.state import TrainState
 from ftrain.step import Step, StepFn, Transform
 

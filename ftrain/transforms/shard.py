@@ -4,11 +4,11 @@
 whole batch. Gradients, loss totals and token counts are *summed* across processes and divided
 once by the global count, so token-weighted losses stay exact however the padding falls.
 
-What each strategy keeps and sends is tabled in ``ftrain.distributed.zero``; the pieces
-(collectives, DTensor plumbing, state layouts, FSDP gathering) live in ``ftrain.distributed``. The
-optimizers of ``ftrain.optim`` run on sharded state unchanged: their ``torch._foreach_*`` math is
-elementwise, and DTensor makes every reduction in them global (the norm in
-``clip_by_global_norm``, ``metrics["grad_norm"]``, adafactor's statistics of a matrix whose rows
+What each strategy keeps and sends is tabled in ``ftrain.distributed.data_parallel.zero``; the
+pieces (collectives, DTensor plumbing, state layouts, FSDP gathering) live in
+``ftrain.distributed``. The optimizers of ``ftrain.optim`` run on sharded state unchanged: their
+``torch._foreach_*`` math is elementwise, and DTensor makes every reduction in them global (the norm
+in ``clip_by_global_norm``, ``metrics["grad_norm"]``, adafactor's statistics of a matrix whose rows
 are split). Checked against ddp: ``sgd``, ``adam``, ``adamw``, ``lion`` and ``adamw8bit`` give the
 same bits under zero1/zero2/fsdp; ``lamb`` and clipping agree to rounding (a norm summed over
 shards); ``adafactor`` equals one process to 1e-5.
@@ -30,9 +30,9 @@ Composition:
   with any strategy, inside or outside ``tp(...)``, on a state laid out by
   ``ft.shard_state(tp.shard_state(state), strategy, mesh=mesh["dp"])``. Each tp piece is split
   again over ``dp`` along a dimension tensor parallelism does not split
-  (``ftrain.distributed.dp_split``), so ``fsdp`` gathers exactly the piece the tensor-parallel
-  forward computes with; a tp piece too small to split (a column-parallel bias) stays whole over
-  ``dp`` and its gradient is all-reduced.
+  (``ftrain.distributed.data_parallel.dp_split``), so ``fsdp`` gathers exactly the piece the
+  tensor-parallel forward computes with; a tp piece too small to split (a column-parallel bias)
+  stays whole over ``dp`` and its gradient is all-reduced.
 * The model must be called through ``ft.apply`` inside the loss (``fsdp`` gathers there).
 * Randomness: each process folds its rank into the step's random stream, so dropout masks differ
   between ranks (as they would between the rows of one big batch), and a sharded run with dropout
@@ -49,11 +49,11 @@ import torch.distributed as dist
 
 from ftrain import rng, tree
 from ftrain.apply import rewritten
-from ftrain.distributed import dp_split, fsdp
 from ftrain.distributed.collectives import all_reduce_flat
+from ftrain.distributed.data_parallel import dp_split, fsdp
+from ftrain.distributed.data_parallel.zero import check_strategy, zero_optimizer
 from ftrain.distributed.dtensor import is_dtensor, like, local, on_shards
 from ftrain.distributed.launch import check_mesh, require_group
-from ftrain.distributed.zero import check_strategy, zero_optimizer
 from ftrain.state import TrainState
 from ftrain.step import Step, Transform
 from ftrain.step.capabilities import (

@@ -5,8 +5,8 @@ the block matrices, take the same step as one process holding them whole. Gradie
 matrices are each process's own piece; those of whole parameters (embeddings, norms) come out
 equal on every process, each the whole gradient, so nothing is summed across ``tp`` twice.
 
-How it is laid out (``ftrain.distributed.tp_layout``), how the forward runs on the pieces
-(``ftrain.distributed.tp_model``) and which collectives surround each column/row pair
+How it is laid out (``ftrain.distributed.tensor_parallel.mesh``), how the forward runs on the pieces
+(``ftrain.distributed.tensor_parallel.model``) and which collectives surround each column/row pair
 (:meth:`TensorParallel.collectives`, the one place to change them) live in ``ftrain.distributed``.
 
 Composition:
@@ -16,8 +16,9 @@ Composition:
   split the optimizer state (and grads) over ``dp`` too, ``fsdp`` the params as well
   (``state = ft.shard_state(tp.shard_state(state), "fsdp", mesh=mesh["dp"])``). Each piece is
   split again over ``dp`` along a dimension tensor parallelism does not split
-  (``ftrain.distributed.dp_split``), so fsdp's gather gives the ``tp`` piece the forward needs.
-  Either order of wrapping, ``ft.shard(tp(step), ...)`` or ``tp(ft.shard(step, ...))``.
+  (``ftrain.distributed.data_parallel.dp_split``), so fsdp's gather gives the ``tp`` piece the
+  forward needs. Either order of wrapping, ``ft.shard(tp(step), ...)`` or ``tp(ft.shard(step,
+  ...))``.
 * ``ft.accumulate``, ``ft.checkpoint`` (a recomputed block runs its collectives again) and
   ``ft.autocast`` compose in any order; ``ft.compile`` is refused (collectives and DTensor).
 * The optimizers of ``ftrain.optim`` run on the pieces unchanged (DTensor makes their norms
@@ -29,11 +30,11 @@ Composition:
   only in distribution.
 
 ``sequence_parallel=True`` splits the activations between the pairs along the sequence
-(``ftrain.distributed.tp_sequence``): the plan's ``SequenceParallel`` modules run on ``T / tp``
-positions, the pairs all-gather / reduce-scatter the sequence, and the gradients of the whole
-parameters inside them (norms, row-parallel biases), partial sums, are added over ``tp`` by the
-gradient engine; their ``nn.Dropout`` masks are drawn per global position. The rule above holds
-unchanged.
+(``ftrain.distributed.tensor_parallel.sequence_region``): the plan's ``SequenceParallel`` modules
+run on ``T / tp`` positions, the pairs all-gather / reduce-scatter the sequence, and the gradients
+of the whole parameters inside them (norms, row-parallel biases), partial sums, are added over
+``tp`` by the gradient engine; their ``nn.Dropout`` masks are drawn per global position. The rule
+above holds unchanged.
 """
 
 from __future__ import annotations
@@ -48,11 +49,11 @@ from ftrain import tree
 from ftrain.apply import rewritten
 from ftrain.distributed.dtensor import is_dtensor, on_shards
 from ftrain.distributed.launch import require_group
-from ftrain.distributed.plans import Split, resolve_plan
-from ftrain.distributed.tp import PairCollectives, megatron
-from ftrain.distributed.tp_layout import check_tp_mesh, lay_out_state
-from ftrain.distributed.tp_model import tp_copy
-from ftrain.distributed.tp_sequence import (
+from ftrain.distributed.tensor_parallel.linear import PairCollectives, megatron
+from ftrain.distributed.tensor_parallel.mesh import check_tp_mesh, lay_out_state
+from ftrain.distributed.tensor_parallel.model import tp_copy
+from ftrain.distributed.tensor_parallel.plans import Split, resolve_plan
+from ftrain.distributed.tensor_parallel.sequence_region import (
     SumPartialGrads,
     in_region,
     partial_params,
@@ -218,7 +219,8 @@ def tensor_parallel(
         model: the module the loss calls through ``ft.apply`` (it is never modified).
         plan: module-path patterns -> ``Colwise()`` / ``Rowwise()`` / ``Divide(...)`` /
             ``SequenceParallel()``
-            (``ftrain.distributed.plans``: ``gpt_plan``, ``hf_gpt2_plan``, ``hf_llama_plan``).
+            (``ftrain.distributed.tensor_parallel.plans``: ``gpt_plan``, ``hf_gpt2_plan``,
+            ``hf_llama_plan``).
         mesh: a ``DeviceMesh`` over every process with a ``"tp"`` dimension
             (``ft.distributed.tp_mesh(tp)``).
         sequence_parallel: split the activations between the pairs along the sequence (dim 1)

@@ -9,13 +9,13 @@ Two hooks of the public protocol do it: ``engine`` swaps the gradient engine for
 state's leaves batched along their first dimension. The hooks that act inside the step (split,
 forward hooks, reduce, gradients, the optimizer) run per member, inside; ``init`` and the
 ``"eager"`` wraps see the stacked state. Inside, ftrain's multi-tensor kernels run per tensor
-(``ftrain.foreach.looped``: vmap cannot batch some of them) and ``ft.shard``'s all-reduce runs
-once on the members' buffers together. The ``wrap`` acts at the ``"traced"`` stage, inside
+(``ftrain.internals.foreach.looped``: vmap cannot batch some of them) and ``ft.shard``'s all-reduce
+runs once on the members' buffers together. The ``wrap`` acts at the ``"traced"`` stage, inside
 ``ft.compile``'s, so ``ft.compile`` compiles the vmapped step whichever was applied first.
 
 Randomness: inside the vmapped step, dropout (``F.dropout``, ``nn.Dropout`` and the ``dropout_p``
 of ``F.scaled_dot_product_attention``) draws its masks from member i's own key with
-:class:`ftrain.keyed_dropout.keyed_dropout`: the n-th dropout call of a step draws from
+:class:`ftrain.internals.keyed_dropout.keyed_dropout`: the n-th dropout call of a step draws from
 ``fold_in(fold_in(fold_in(rng_i, step_i), rank), n)`` (``rank``: the process's rank,
 0 without ``torch.distributed``), so member i's masks depend on its own key, step and data
 only: not on K, nor on the other members. Those are not the masks the plain step draws (it uses
@@ -35,9 +35,10 @@ import torch.distributed as dist
 from tensordict import TensorDictBase
 from torch.overrides import TorchFunctionMode
 
-from ftrain import foreach, func_scope, rng, tree
+from ftrain import rng, tree
 from ftrain.distributed.launch import rank_and_world
-from ftrain.keyed_dropout import keyed_dropout
+from ftrain.internals import foreach, func_scope
+from ftrain.internals.keyed_dropout import keyed_dropout
 from ftrain.stack import members
 from ftrain.state import TrainState
 from ftrain.step import Step, StepFn, Transform

@@ -1,0 +1,219 @@
+"""``ft.memory``: the bytes a step will need, found by running it on fake tensors.
+
+The planner does not re-derive each transform's memory from a formula. It runs the step itself,
+every hook of every transform included (a user's own too), under ``FakeTensorMode``: tensors that
+have shapes and dtypes but no data, so no byte of the model is allocated and a 7-billion-parameter
+step plans in seconds on a laptop. A :class:`~ftrain.memory.tracker.LiveBytes` counter follows
+every storage the step's ops allocate and free. A probe transform, applied outermost, marks the
+phases: its ``forward`` hook measures what each micro-batch's forward leaves alive for backward,
+``gradients`` the gradients the optimizer gets and where the update starts.
+
+Under ``ft.shard`` nothing is sent to the other ranks. For ``ddp``, ``zero1`` and ``zero2`` a
+stand-in with the same hooks allocates this rank's side of each collective
+(:class:`~ftrain.memory.one_rank.ShardLayout`). ``fsdp`` runs the sharded step itself on fake
+shards (:mod:`ftrain.memory.fake_fsdp`): its per-block gathers, the regathers of backward and of a
+checkpointed block's recompute, and the reduce-scatters allocate what they allocate for real,
+and its collectives go to torch's meta kernels, which send nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from tensordict import TensorDictBase
+
+from ftrain import tree
+from ftrain.memory.fake_fsdp import backend_transient, fake_fsdp_state
+from ftrain.memory.one_rank import ShardLayout, rows
+from ftrain.memory.report import MemoryReport
+from ftrain.memory.tracker import (
+    LiveBytes,
+    fake_like,
+    fake_mode,
+    fake_tree,
+    storage_of,
+    tensor_leaves,
+)
+from ftrain.state import TrainState
+from ftrain.step import Gradients, Step, Transform
+from ftrain.step.capabilities import COMPILES, DATA_PARALLEL, GATHERS_PARAMS
+
+__all__ = ["memory", "planned_step", "fake_like"]
+
+
+class _Trace:
+    """What the probe saw during one planned call (one object per call)."""
+
+    def __init__(self, live: LiveBytes) -> None:
+        self.live = live
+        self.activations: list[int] = []
+        self.gradients = 0
+        self.before_update = 0  # peak of forward and backward
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Probe(Transform):
+    """Marks the phases of a planned call in its :class:`_Trace` (outermost, planning only)."""
+
+    trace: _Trace
+
+    name = "memory_probe"
+
+    def forward(self, fn):
+        trace = self.trace
+
+        def measured(params, batch, state):
+            start = trace.live.live
+            out = fn(params, batch, state)
+            trace.activations.append(trace.live.live - start)
+            return out
+
+        return measured
+
+    def gradients(self, g: Gradients, state: TrainState) -> Gradients:
+        self.trace.gradients = _bytes(tree.leaves(g.grads))
+        self.trace.before_update = self.trace.live.peak
+        self.trace.live.mark("update")
+        return g
+
+
+def planned_step(step: Step) -> tuple[Step, Transform | None]:
+    """``step`` as the planner runs it: without ``ft.compile`` (planned as eager) and, but for
+    ``fsdp`` (run as it is, on fake shards), without ``ft.shard`` (planned by its layout); the
+    ``Shard`` transform is returned beside it."""
+    if not isinstance(step, Step):
+        raise TypeError(f"ft.memory(step, ...): expected an ft.Step, got {type(step).__name__}.")
+    caps = [(t, t.capabilities()) for t in step.transforms]
+    shard = next((t for t, c in caps if DATA_PARALLEL in c), None)
+    fsdp = shard is not None and GATHERS_PARAMS in shard.capabilities()
+    dropped = (COMPILES,) if fsdp else (COMPILES, DATA_PARALLEL)
+    kept = tuple(t for t, c in caps if not any(d in c for d in dropped))
+    return dataclasses.replace(step, transforms=kept), shard
+
+
+def memory(step: Step, state: TrainState | TensorDictBase, batch: Any) -> MemoryReport:
+    """Predict the bytes per rank that ``step(state, batch)`` needs, without running it.
+
+    ``state`` and ``batch`` may be real, fake (``FakeTensorMode``) or on the ``meta`` device: a
+    model too big for this machine is planned from ``with torch.device("meta"): model = ...``.
+    ``state`` may also be the params alone (then the optimizer's ``init`` gives the state's
+    shapes). Under ``ft.shard``, pass this rank's share of the batch and the state as laid out
+    (or whole: the layout is the step's); the world size and this rank are those of the step's
+    mesh, and nothing is sent to the other ranks (one rank may plan alone).
+
+    **Measured** (on fake tensors, by running the step's own code: every transform's hooks, the
+    gradient engine, the optimizer update): the bytes of every storage the step's ops allocate
+    and when each is freed, hence the params, gradients, optimizer state, the activations each
+    micro-batch saves for backward, the update's transient and the peak; and the FLOPs
+    (``torch.utils.flop_counter``'s formulas), recompute included. **Modeled:** the allocator (no rounding
+    to blocks, no fragmentation, no cached free blocks: add ~5-10% on CUDA), kernels' internal
+    workspaces (cuBLAS, flash attention), ``ft.compile`` (planned as eager; a compiled step frees
+    earlier and usually needs less), and ``ft.shard``'s collectives: ddp/zero1/zero2 by a stand-in
+    that allocates this rank's side of each; under fsdp the step's own gathers and
+    reduce-scatters run on fake shards, and only the backend's internal buffers are modeled
+    (gloo's copy of a reduce-scatter's input: :func:`ftrain.memory.fake_fsdp.backend_transient`).
+
+    **Invariant:** within 10% of the peak of live bytes the real step allocates
+    (``ftrain.testing.peak_bytes``), over micro-batches, checkpoint policies, precisions,
+    optimizers, and ``ddp``/``zero1``/``zero2``/``fsdp`` on 2 gloo ranks
+    (``tests/test_memory_plan.py``, ``tests/test_memory_fsdp.py``).
+    """
+    plain, shard = planned_step(step)
+    mode = fake_mode()
+    layout, transient = None, None
+    if shard is not None and shard.strategy == "fsdp":  # the sharded step itself, on fake shards
+        state = fake_fsdp_state(state, plain, shard.mesh, mode)
+        transient = backend_transient(shard.mesh)
+    else:
+        if shard is not None:
+            layout = ShardLayout(shard.strategy, shard.mesh.size(), shard.mesh.get_local_rank())
+            plain = layout(plain)
+        state = _fake_state(state, plain, mode, layout)
+    batch = _fake_batch(batch, mode)
+    live = LiveBytes(transient=transient)
+    trace = _Trace(live)
+    probed = _Probe(trace)(plain)
+    live.hold((tree.leaves(state.params), tree.leaves(state.opt_state), tree.leaves(state.extra)))
+    live.hold(batch)
+    with mode, live:
+        out = probed(state, batch)
+    del out
+    params = _bytes(tree.leaves(state.params))
+    optimizer = _bytes(tree.leaves(state.opt_state))
+    update = live.since("update") - live.marks["update"]
+    return MemoryReport(
+        params=params,
+        gradients=trace.gradients,
+        optimizer=optimizer,
+        activations=max(trace.activations, default=0),
+        update=update,
+        batch=_bytes(tensor_leaves(batch)),
+        peak=live.peak,
+        peak_phase="update" if live.since("update") > trace.before_update else "forward/backward",
+        micro_batches=len(trace.activations),
+        flops=live.flops,
+        transforms=step.names,
+        world_size=shard.mesh.size() if shard is not None else 1,
+    )
+
+
+def _bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages holding ``tensors`` (a DTensor: its local shard)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        s = storage_of(t)
+        if s is not None:
+            seen[id(s)] = s.nbytes()
+    return sum(seen.values())
+
+
+def _fake_state(state: Any, step: Step, mode, layout: ShardLayout | None) -> TrainState:
+    """``state`` in fake tensors, params whole. The optimizer state as given, or under a ZeRO
+    ``layout`` the optimizer's ``init`` of this rank's rows (its shapes, as ft.shard_state makes
+    them); from params alone, the optimizer's ``init`` (the counters it makes stay real)."""
+    if isinstance(state, TensorDictBase) and not isinstance(state, TrainState):
+        state = TrainState.create(fake_tree(state, mode), step.optimizer)
+    elif isinstance(state, TrainState):
+        state = state.replace(
+            params=fake_tree(state.params, mode),
+            opt_state=fake_tree(state.opt_state, mode),
+            extra=fake_tree(state.extra, mode),
+            step=fake_like(state.step, mode),
+            rng=fake_like(state.rng, mode),
+        )
+    else:
+        raise TypeError(
+            f"ft.memory(step, state, ...): expected an ft.TrainState or the params (a "
+            f"TensorDict), got {type(state).__name__}."
+        )
+    if layout is None or layout.strategy == "ddp":
+        return state
+    mine = [local_rows(t, layout) for t in tree.leaves(state.params)]
+    return state.replace(opt_state=step.optimizer.init(tree.unflatten(state.params, mine)))
+
+
+def local_rows(t: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
+    """This rank's ``Shard(0)`` rows of ``t`` under ``layout`` (a view)."""
+    if t.dim() == 0:
+        return t
+    start, length = rows(t.shape[0], layout.world, layout.rank)
+    return t.narrow(0, start, length)
+
+
+def _fake_batch(batch: Any, mode, seen: dict[int, torch.Tensor] | None = None) -> Any:
+    """``batch`` in fake tensors; a tensor that appears twice (``{"input": x, "target": x}``)
+    is one fake, counted once as the real batch is."""
+    seen = {} if seen is None else seen
+    if isinstance(batch, torch.Tensor):
+        if id(batch) not in seen:
+            seen[id(batch)] = fake_like(batch, mode)
+        return seen[id(batch)]
+    if isinstance(batch, dict):
+        return {k: _fake_batch(v, mode, seen) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_fake_batch(v, mode, seen) for v in batch)
+    if isinstance(batch, TensorDictBase):
+        return fake_tree(batch, mode)
+    return batch
