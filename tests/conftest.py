@@ -14,6 +14,23 @@ import torch
 from ftrain import data
 from ftrain.distributed import run_distributed
 
+from _tiers import slow_reason
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark ``slow`` every test that starts processes or subprocesses, runs a notebook or
+    compiles, read off its source and its fixtures' (``_tiers.py`` says how and why), so that
+    ``python -m pytest -q -m "not slow"`` is the fast tier. The full suite runs them all."""
+    for item in items:
+        fn = getattr(item, "function", None)
+        if fn is None or item.get_closest_marker("slow"):
+            continue
+        info = getattr(item, "_fixtureinfo", None)
+        defs = info.name2fixturedefs.values() if info is not None else ()
+        reason = slow_reason(fn, [d[-1].func for d in defs if d])
+        if reason:
+            item.add_marker(pytest.mark.slow(reason=reason))
+
 
 @pytest.fixture(autouse=True, scope="session")
 def one_thread():
@@ -121,9 +138,9 @@ def sharded_checkpoints(tmp_path_factory) -> tuple[str, dict]:
     what each rank found, by ``"two0"``, ``"two1"``, ``"three0"``, ... ."""
     import os
 
-    from _sharded_ranks import on_three, on_two
-
     from ftrain.distributed import DistributedError
+
+    from _sharded_ranks import on_three, on_two
 
     root = str(tmp_path_factory.mktemp("sharded"))
     run_distributed(on_two, 2, root)
