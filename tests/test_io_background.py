@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from _sharded_ranks import differing, whole_state
 
 import ftrain as ft
 from ftrain import tree
+
+from _sharded_ranks import differing, whole_state
 
 
 def test_background_save_commits_the_state_of_the_call(tmp_path):

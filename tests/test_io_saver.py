@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _sharded_ranks import whole_state
 
 import ftrain as ft
+
+from _sharded_ranks import whole_state
 
 
 def test_saver_waits_for_the_previous_save_and_raises_its_error(tmp_path):

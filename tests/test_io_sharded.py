@@ -8,9 +8,9 @@ from __future__ import annotations
 import os
 import warnings
 
-from _sharded_ranks import OPTS, differing, whole_state
-
 import ftrain as ft
+
+from _sharded_ranks import OPTS, differing, whole_state
 
 
 def test_sharded_checkpoints_load_whole_on_one_process(sharded_checkpoints):

@@ -1,10 +1,7 @@
-"""ftrain.data loader: determinism, coverage, exact resume, workers, bucketing, padding."""
+"""ftrain.data.loader (ftrain/data/pipeline.py): determinism, coverage, exact resume, workers,
+devices, processes sharing one order, and bad arguments refused when the loader is built."""
 
-import itertools
 import json
-import subprocess
-import sys
-import threading
 
 import numpy as np
 import pytest
@@ -12,40 +9,7 @@ import torch
 
 from ftrain import data
 
-
-class Numbered:
-    """n examples {"id": i, "x": [i, -i]}: a batch says which samples it holds."""
-
-    def __init__(self, n: int):
-        self.n = n
-
-    def __len__(self):
-        return self.n
-
-    def __getitem__(self, i):
-        return {"id": torch.tensor(i), "x": torch.tensor([i, -i])}
-
-
-class Varied(Numbered):
-    """Variable-length examples: example i has lengths[i] tokens, all equal to i."""
-
-    def __init__(self, lengths):
-        super().__init__(len(lengths))
-        self.lengths = np.asarray(lengths)
-        self.collate = data.PadCollate(pad_id=-1)
-
-    def __getitem__(self, i):
-        t = torch.full((int(self.lengths[i]),), i)
-        return {"input": t, "target": t + 1}
-
-
-def ids(batches) -> list[list[int]]:
-    return [b["id"].tolist() for b in batches]
-
-
-def take(it, k: int) -> list:
-    return list(itertools.islice(it, k))
-
+from _data import Numbered, Varied, ids, take
 
 # -- determinism and coverage ----------------------------------------------------------------
 
@@ -79,18 +43,6 @@ def test_every_sample_once_per_epoch(drop_last):
     assert epochs[0] != epochs[1]  # a new order each epoch
     if drop_last:  # which samples sit out changes with the epoch
         assert len({frozenset(sum(e, [])) for e in epochs}) > 1
-
-
-def test_sequential_order_and_custom_order():
-    ld = data.loader(Numbered(10), 4, order="sequential", drop_last=False)
-    assert ids(ld) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
-
-    def reverse_then_rotate(epoch):
-        return np.roll(np.arange(10)[::-1], epoch)
-
-    ld = data.loader(Numbered(10), 5, order=reverse_then_rotate)
-    assert ids(ld) == [[9, 8, 7, 6, 5], [4, 3, 2, 1, 0]]
-    assert ids(ld) == [[0, 9, 8, 7, 6], [5, 4, 3, 2, 1]]
 
 
 @pytest.mark.parametrize("order", ["shuffle", "length"])
@@ -224,41 +176,6 @@ def test_load_state_dict_refuses_another_loaders_state():
         lenient.load_state_dict({**sd, "sample": -1})
 
 
-def test_thread_workers_leave_the_callers_thread_count():
-    # torchdata's workers call torch.set_num_threads(1); in a fresh process that count is the
-    # process's, so training would run on one thread. Fresh process: the default count is unset.
-    code = (
-        "import torch\n"
-        "from ftrain import data\n"
-        "torch.set_num_threads(2)\n"
-        "ds = [{'x': torch.tensor([i])} for i in range(64)]\n"
-        "it = iter(data.loader(ds, 4, num_workers=2, infinite=True))\n"
-        "for _ in range(5):\n"
-        "    next(it)\n"
-        "print(torch.get_num_threads())\n"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
-    )
-    assert out.stdout.split()[-1] == "2"
-
-
-@pytest.mark.parametrize("prefetch", [0, 2])
-def test_close_stops_the_worker_threads(prefetch):
-    before = set(threading.enumerate())
-    ld = data.loader(Numbered(64), 4, num_workers=2, prefetch=prefetch, infinite=True)
-    with iter(ld) as it:
-        first = next(it)["id"]
-        assert len(set(threading.enumerate()) - before) >= 2  # the workers run
-    assert set(threading.enumerate()) - before == set()
-    with pytest.raises(StopIteration):
-        next(it)
-    again = next(iter(ld))["id"]  # the position is kept: the next batch, not the first again
-    assert not torch.equal(again, first)
-    ref = list(itertools.islice(iter(data.loader(Numbered(64), 4, infinite=True)), 2))
-    assert torch.equal(ref[0]["id"], first) and torch.equal(ref[1]["id"], again)
-
-
 def test_one_iterator_at_a_time():
     ld = data.loader(Numbered(40), 4, seed=0)
     old = iter(ld)
@@ -335,84 +252,7 @@ def test_infinite_loader_has_no_len_but_epochs():
     assert (ld.epoch, ld.sample) == (2, 5)
 
 
-# -- bucketing and padding -------------------------------------------------------------------------
-
-
-def test_pad_collate_pads_masks_and_ignores():
-    examples = [
-        {
-            "input": torch.tensor([1, 2, 3]),
-            "target": torch.tensor([2, 3, 4]),
-            "w": torch.tensor(1.0),
-        },
-        {"input": torch.tensor([5]), "target": torch.tensor([6]), "w": torch.tensor(2.0)},
-    ]
-    b = data.PadCollate(pad_id=0)(examples)
-    assert b["input"].tolist() == [[1, 2, 3], [5, 0, 0]]
-    assert b["target"].tolist() == [[2, 3, 4], [6, -100, -100]]
-    assert b["mask"].tolist() == [[True, True, True], [True, False, False]]
-    assert b["w"].tolist() == [1.0, 2.0]
-    assert data.padding_fraction(b) == pytest.approx(2 / 6)
-    b8 = data.PadCollate(pad_to_multiple_of=8)(examples)
-    assert b8["input"].shape == (2, 8) and int(b8["mask"].sum()) == 4
-    assert (b8["target"][~b8["mask"]] == data.IGNORE_INDEX).all()
-    with pytest.raises(ValueError, match="different lengths"):
-        data.PadCollate()([{"input": torch.zeros(2), "target": torch.zeros(3)}])
-    # the losses skip the padding: a padded batch gives the same loss as its examples
-    logits = torch.randn(2, 8, 5)
-    tgt = b8["target"].clamp(max=4)
-    tgt[~b8["mask"]] = -100
-    total = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tgt.flatten(), reduction="sum")
-    by_hand = sum(
-        torch.nn.functional.cross_entropy(logits[i, :n], tgt[i, :n], reduction="sum")
-        for i, n in enumerate([3, 1])
-    )
-    assert torch.allclose(total, by_hand)
-
-
-@pytest.mark.parametrize("n, B", [(1000, 16), (37, 4), (8, 8)])
-def test_bucket_by_length_is_a_deterministic_permutation(n, B):
-    lengths = np.random.RandomState(0).randint(1, 500, size=n)
-    order = data.bucket_by_length(lengths, B, seed=4, pool_batches=5)
-    e0, e1 = order(0), order(1)
-    assert sorted(e0.tolist()) == sorted(e1.tolist()) == list(range(n))
-    assert np.array_equal(e0, data.bucket_by_length(lengths, B, seed=4, pool_batches=5)(0))
-    assert n <= B or not np.array_equal(e0, e1)
-    # the partial batch (if any) is last, so drop_last drops exactly it
-    full = n - n % B
-    assert sorted(e0[:full].tolist() + e0[full:].tolist()) == list(range(n))
-
-
-def _padding(batches) -> float:
-    mask = torch.cat([b["mask"].flatten() for b in batches])
-    return 1.0 - float(mask.float().mean())
-
-
-def test_bucketing_cuts_padding_versus_random_batches():
-    lengths = np.random.RandomState(0).lognormal(4.0, 0.8, size=2000).astype(int) + 1
-    ds = Varied(lengths)
-    random = list(data.loader(ds, 16, seed=0))
-    bucketed = list(data.loader(ds, 16, seed=0, order="length"))
-    assert len(random) == len(bucketed) == 125
-    assert _padding(bucketed) < 0.25 * _padding(random)
-    # same samples, every batch a real batch: padded positions are exactly the ones past length
-    for b in bucketed:
-        rows = b["input"][:, 0]
-        assert torch.equal(b["mask"].sum(1), torch.as_tensor(lengths[rows.numpy()]))
-        assert (b["target"][~b["mask"]] == -100).all() and (b["input"][~b["mask"]] == -1).all()
-    assert sorted(torch.cat([b["input"][:, 0] for b in bucketed]).tolist()) == list(range(2000))
-
-
-def test_document_dataset_with_bucketing(tmp_path):
-    rng = np.random.RandomState(0)
-    texts = [(f"d{i}", "x" * int(rng.lognormal(3.5, 1.0)) + "\n") for i in range(200)]
-    data.build_token_dataset(texts, tmp_path, progress=False)
-    ds = data.DocumentDataset(tmp_path, 64, splits=(1, 0, 0))
-    random = list(data.loader(ds, 8, seed=0))
-    bucketed = list(data.loader(ds, 8, seed=0, order="length"))
-    assert _padding(bucketed) < 0.5 * _padding(random)
-    assert all(b["mask"].any(1).all() for b in bucketed)  # no empty row
-    assert all((b["input"][~b["mask"]] == ds.eot_id).all() for b in bucketed)
+# -- several processes ------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("infinite", [False, True])
