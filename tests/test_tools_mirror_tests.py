@@ -14,10 +14,15 @@ spec = importlib.util.spec_from_file_location("mirror_tests", ROOT / "tools" / "
 mirror = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(mirror)
 
-MODULES = ["__init__", "loop", "scoped", "optim/__init__", "optim/fused", "optim/schedules",
-           "io/layout", "memory/layout", "models/gpt", "recipes/gpt", "distributed/tp_layout"]  # fmt: skip
-TESTS = ["optim_fused", "schedules", "io_layout", "memory_layout", "loop", "docs_lora", "readme",
-         "gpt", "device", "distributed_tp_layout", "benchmarks_speed"]  # fmt: skip
+# Names that no real file has, so that a real run of the script never rewrites the paths here.
+MODULES = ["__init__", "trainer", "scopes", "optim/__init__", "optim/adam", "optim/warmup",
+           "io/layout", "memory/layout", "models/net", "recipes/net", "distributed/tp_mesh"]  # fmt: skip
+TESTS = ["optim_adam", "warmup", "io_layout", "memory_layout", "trainer", "docs_intro", "readme",
+         "net", "gadget", "distributed_tp_mesh", "benchmarks_speed"]  # fmt: skip
+
+
+def short(path: str) -> str:
+    return path.removeprefix("tests/")
 
 
 def make_repo(root: Path) -> Path:
@@ -32,7 +37,7 @@ def make_repo(root: Path) -> Path:
     (root / "tests" / "_tiny.py").write_text("")
     (root / "benchmarks").mkdir()
     (root / "docs").mkdir()
-    (root / "docs" / "lora.md").write_text("checked by `tests/test_docs_lora.py`\n")
+    (root / "docs" / "intro.md").write_text("checked by `tests/test_docs_intro.py`\n")
     (root / "pyproject.toml").write_text(
         '[tool.ruff.lint.isort]\nknown-local-folder = ["_old"]\n\n'
         '[tool.pytest.ini_options]\ntestpaths = ["tests"]\naddopts = ""\n'
@@ -42,32 +47,30 @@ def make_repo(root: Path) -> Path:
 
 def test_the_plan_mirrors_the_package_and_names_what_it_cannot_place(tmp_path):
     moves, unplaced = mirror.plan(make_repo(tmp_path))
-    assert {m.old.removeprefix("tests/"): m.new.removeprefix("tests/") for m in moves} == {
-        "test_optim_fused.py": "optim/test_fused.py",
-        "test_schedules.py": "optim/test_schedules.py",
+    assert {short(m.old): short(m.new) for m in moves} == {
+        "test_optim_adam.py": "optim/test_adam.py",
+        "test_warmup.py": "optim/test_warmup.py",
         "test_io_layout.py": "io/test_layout.py",
         "test_memory_layout.py": "memory/test_layout.py",
-        "test_docs_lora.py": "docs/test_lora.py",
+        "test_docs_intro.py": "docs/test_intro.py",
         "test_readme.py": "docs/test_readme.py",
-        "test_distributed_tp_layout.py": "distributed/test_tp_layout.py",
+        "test_distributed_tp_mesh.py": "distributed/test_tp_mesh.py",
         "test_benchmarks_speed.py": "benchmarks/test_speed.py",
-    }  # test_loop.py tests ftrain/loop.py, at the root: it stays
-    why = dict(unplaced)
-    assert set(why) == {"tests/test_gpt.py", "tests/test_device.py"}
-    assert "models/gpt, recipes/gpt" in why["tests/test_gpt.py"]
-    assert "'device'" in why["tests/test_device.py"]
+    }  # test_trainer.py tests ftrain/trainer.py, at the root: it stays
+    why = {short(old): reason for old, reason in unplaced}
+    assert set(why) == {"test_net.py", "test_gadget.py"}
+    assert "models/net, recipes/net" in why["test_net.py"]
+    assert "'gadget'" in why["test_gadget.py"]
 
 
 def test_a_taken_place_is_refused(tmp_path):
     make_repo(tmp_path)
     (tmp_path / "tests" / "optim").mkdir()
-    (tmp_path / "tests" / "optim" / "test_fused.py").write_text("")
+    (tmp_path / "tests" / "optim" / "test_adam.py").write_text("")
     moves, unplaced = mirror.plan(tmp_path)
-    assert "tests/test_optim_fused.py" not in {m.old for m in moves}
-    assert (
-        "tests/test_optim_fused.py",
-        "tests/optim/test_fused.py is taken (it exists)",
-    ) in unplaced
+    assert "test_optim_adam.py" not in {short(m.old) for m in moves}
+    why = {short(old): reason for old, reason in unplaced}
+    assert why["test_optim_adam.py"].endswith("optim/test_adam.py is taken (it exists)")
 
 
 def test_parents_are_counted_from_the_new_depth():
@@ -87,9 +90,9 @@ def test_moves_rewrites_and_follows_modules_that_move(tmp_path):
     git("init", "-q")
     git("add", ".")
     mirror.main(["--root", str(root)])
-    moved = root / "tests" / "docs" / "test_lora.py"
+    moved = root / "tests" / "docs" / "test_intro.py"
     assert moved.read_text() == 'DOC = Path(__file__).resolve().parents[2] / "docs"\n'
-    assert (root / "docs" / "lora.md").read_text() == "checked by `tests/docs/test_lora.py`\n"
+    assert (root / "docs" / "intro.md").read_text() == "checked by `tests/docs/test_intro.py`\n"
     pyproject = (root / "pyproject.toml").read_text()
     assert 'pythonpath = ["tests"]' in pyproject and "--import-mode=importlib" in pyproject
     assert 'known-local-folder = ["_tiny"]' in pyproject
@@ -97,14 +100,14 @@ def test_moves_rewrites_and_follows_modules_that_move(tmp_path):
 
     for package in ("app", "internals"):
         (root / "ftrain" / package).mkdir()
-    git("mv", "ftrain/loop.py", "ftrain/app/loop.py")
-    git("mv", "ftrain/scoped.py", "ftrain/internals/scoped.py")
+    git("mv", "ftrain/trainer.py", "ftrain/app/trainer.py")
+    git("mv", "ftrain/scopes.py", "ftrain/internals/scopes.py")
     git("mv", "ftrain/distributed", "ftrain/parallel")
-    (root / "tests" / "test_scoped.py").write_text("")
-    git("add", "tests/test_scoped.py")
+    (root / "tests" / "test_scopes.py").write_text("")
+    git("add", ".")
     moves, _ = mirror.plan(root)
-    assert {(m.old, m.new) for m in moves} == {
-        ("tests/test_loop.py", "tests/app/test_loop.py"),
-        ("tests/test_scoped.py", "tests/internals/test_scoped.py"),
-        ("tests/distributed/test_tp_layout.py", "tests/parallel/test_tp_layout.py"),
+    assert {(short(m.old), short(m.new)) for m in moves} == {
+        ("test_trainer.py", "app/test_trainer.py"),
+        ("test_scopes.py", "internals/test_scopes.py"),
+        ("distributed/test_tp_mesh.py", "parallel/test_tp_mesh.py"),
     }
