@@ -25,19 +25,25 @@ def short(path: str) -> str:
     return path.removeprefix("tests/")
 
 
+def doc_line(depth: int) -> str:
+    """A test's line that finds the repository from its file (written with a variable, so that a
+    real run of the script does not rewrite this file's own text)."""
+    return f'DOC = Path(__file__).resolve().parents[{depth}] / "docs"\n'
+
+
 def make_repo(root: Path) -> Path:
     for m in MODULES:
         (root / "ftrain" / f"{m}.py").parent.mkdir(parents=True, exist_ok=True)
         (root / "ftrain" / f"{m}.py").write_text("")
     (root / "tests").mkdir()
     for t in TESTS:
-        (root / "tests" / f"test_{t}.py").write_text(
-            'DOC = Path(__file__).resolve().parents[1] / "docs"\n'
-        )
+        (root / "tests" / f"test_{t}.py").write_text(doc_line(1))
     (root / "tests" / "_tiny.py").write_text("")
     (root / "benchmarks").mkdir()
     (root / "docs").mkdir()
     (root / "docs" / "intro.md").write_text("checked by `tests/test_docs_intro.py`\n")
+    io = "io"  # a variable, so that a real run does not rewrite the glob here
+    (root / "docs" / "io.md").write_text(f"tests/test_{io}_*.py, tests/test_*.py\n")
     (root / "pyproject.toml").write_text(
         '[tool.ruff.lint.isort]\nknown-local-folder = ["_old"]\n\n'
         '[tool.pytest.ini_options]\ntestpaths = ["tests"]\naddopts = ""\n'
@@ -74,10 +80,11 @@ def test_a_taken_place_is_refused(tmp_path):
 
 
 def test_parents_are_counted_from_the_new_depth():
-    text = "A = Path(__file__).resolve().parents[1]\nB = Path(__file__).parents[2] / 'x'\n"
-    assert mirror.rewrite_depth(text, 1) == (
-        "A = Path(__file__).resolve().parents[2]\nB = Path(__file__).parents[3] / 'x'\n"
-    )
+    def text(a, b):
+        return f"A = Path(__file__).resolve().parents[{a}]\nB = Path(__file__).parents[{b}] / 'x'\n"
+
+    assert mirror.rewrite_depth(text(1, 2), 1) == text(2, 3)
+    assert mirror.rewrite_depth(text(2, 3), -1) == text(1, 2)
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
@@ -91,8 +98,10 @@ def test_moves_rewrites_and_follows_modules_that_move(tmp_path):
     git("add", ".")
     mirror.main(["--root", str(root)])
     moved = root / "tests" / "docs" / "test_intro.py"
-    assert moved.read_text() == 'DOC = Path(__file__).resolve().parents[2] / "docs"\n'
+    assert moved.read_text() == doc_line(2)
     assert (root / "docs" / "intro.md").read_text() == "checked by `tests/docs/test_intro.py`\n"
+    io = "io"  # all of tests/test_io_*.py moved to tests/io/; tests/test_*.py did not move whole
+    assert (root / "docs" / "io.md").read_text() == f"tests/{io}/test_*.py, tests/test_*.py\n"
     pyproject = (root / "pyproject.toml").read_text()
     assert 'pythonpath = ["tests"]' in pyproject and "--import-mode=importlib" in pyproject
     assert 'known-local-folder = ["_tiny"]' in pyproject

@@ -25,7 +25,8 @@ that was renamed needs its test renamed by hand (the script never guesses from a
 ``tests/io/``). After the moves it
 rewrites, in the moved files, ``Path(__file__)...parents[N]`` by the change of depth, and in every
 tracked text file the paths of the moved tests (``tests/test_optim_fused.py`` ->
-``tests/optim/test_fused.py``); and it sets up ``pyproject.toml`` so that the suite runs from
+``tests/optim/test_fused.py``; a glob such as ``tests/test_optim_*.py`` too, where all it matched
+moved to one folder), except in this script and under ``--leave`` folders; and it sets up ``pyproject.toml`` so that the suite runs from
 folders: ``pythonpath = ["tests"]`` (the helpers ``tests/_*.py`` import from any folder),
 ``--import-mode=importlib`` (two ``test_layout.py`` in two folders do not collide, with no
 ``__init__.py``), and ruff's isort ``known-local-folder`` listing every ``tests/_*.py``.
@@ -38,6 +39,7 @@ nothing.
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import re
 import subprocess
 import sys
@@ -170,8 +172,25 @@ def _git(root: Path, *args: str) -> str:
     ).stdout
 
 
+def rename_globs(texts: list[str], renamed: dict[str, str], after: set[str]) -> dict[str, str]:
+    """Old glob -> new glob for each ``tests/...*...py`` glob in ``texts`` whose files all moved
+    to one folder where they are all that the new glob ``tests/<folder>/test_*.py`` matches."""
+    found = {g for t in texts for g in _TEST_PATH.findall(t) if "*" in g}
+    globs = {}
+    for old in found:
+        matched = [o for o in renamed if fnmatch.fnmatch(o, old)]
+        folders = {str(Path(renamed[o]).parent) for o in matched}
+        if len(folders) != 1:
+            continue
+        new = f"{folders.pop()}/test_*.py"
+        if {renamed[o] for o in matched} == {a for a in after if fnmatch.fnmatch(a, new)}:
+            globs[old] = new
+    return globs
+
+
 def apply(root: Path, moves: list[Move], leave: tuple[str, ...] = ()) -> list[str]:
     """Carry out ``moves`` with ``git mv`` and the rewrites; the files changed besides them."""
+    before = set(_git(root, "ls-files", "tests").splitlines())
     for m in moves:
         (root / m.new).parent.mkdir(parents=True, exist_ok=True)
         _git(root, "mv", m.old, m.new)
@@ -181,22 +200,29 @@ def apply(root: Path, moves: list[Move], leave: tuple[str, ...] = ()) -> list[st
         if delta and (new := rewrite_depth(text, delta)) != text:
             path.write_text(new)
     renamed = {m.old: m.new for m in moves}
-    pattern = re.compile("|".join(re.escape(o) for o in sorted(renamed, key=len, reverse=True)))
-    changed = []
+    after = (before - set(renamed)) | set(renamed.values())
+    this = Path(__file__).resolve()
+    texts = {}
     for rel in _git(root, "ls-files").splitlines():
         path = root / rel
-        if not renamed or not path.is_file() or path.suffix not in TEXT:
+        if not path.is_file() or path.suffix not in TEXT or path.resolve() == this:
             continue
         if any(rel == d or rel.startswith(d.rstrip("/") + "/") for d in leave):
             continue
         try:
-            text = path.read_text()
+            texts[rel] = path.read_text()
         except UnicodeDecodeError:
             continue
-        new = pattern.sub(lambda m: renamed[m[0]], text)
-        if new != text:
-            path.write_text(new)
-            changed.append(rel)
+    renamed.update(rename_globs(list(texts.values()), renamed, after))
+    changed = []
+    if renamed:
+        keys = sorted(renamed, key=len, reverse=True)
+        pattern = re.compile(r"\b(?:" + "|".join(re.escape(k) for k in keys) + r")(?![\w*])")
+        for rel, text in texts.items():
+            new = pattern.sub(lambda m: renamed[m[0]], text)
+            if new != text:
+                (root / rel).write_text(new)
+                changed.append(rel)
     pyproject = root / "pyproject.toml"
     helpers = sorted(p.stem for p in (root / "tests").glob("_*.py"))
     if (new := configure(pyproject, helpers)) != pyproject.read_text():
