@@ -1,5 +1,5 @@
-"""Shared by the tests of ftrain.optim (tests/test_optim_*.py): the same training run done by
-torch.optim and by ftrain, relative errors, and a tiny GPT's params and gradients as TensorDicts."""
+"""Shared by the tests of ftrain.optim: the same training run done by torch.optim and by ftrain,
+relative errors, and a tiny GPT's params and gradients as TensorDicts."""
 
 from __future__ import annotations
 

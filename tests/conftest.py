@@ -128,7 +128,7 @@ def memory_ranks() -> list[dict]:
     return run_distributed(on_two_ranks, 2, timeout=240)
 
 
-# --- sharded checkpoints (tests/test_io_sharded.py, test_io_reshard.py, test_io_consolidate.py) ---
+# --- sharded checkpoints (tests/test_io_sharded.py, tests/test_io_reshard.py, tests/test_io_consolidate.py)
 
 
 @pytest.fixture(scope="session")

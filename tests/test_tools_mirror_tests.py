@@ -100,7 +100,7 @@ def test_moves_rewrites_and_follows_modules_that_move(tmp_path):
     moved = root / "tests" / "docs" / "test_intro.py"
     assert moved.read_text() == doc_line(2)
     assert (root / "docs" / "intro.md").read_text() == "checked by `tests/docs/test_intro.py`\n"
-    io = "io"  # all of tests/test_io_*.py moved to tests/io/; tests/test_*.py did not move whole
+    io = "io"  # every io test moved to tests/io/; not every tests/test_*.py moved there
     assert (root / "docs" / "io.md").read_text() == f"tests/{io}/test_*.py, tests/test_*.py\n"
     pyproject = (root / "pyproject.toml").read_text()
     assert 'pythonpath = ["tests"]' in pyproject and "--import-mode=importlib" in pyproject
