@@ -31,6 +31,12 @@ def doc_line(depth: int) -> str:
     return f'DOC = Path(__file__).resolve().parents[{depth}] / "docs"\n'
 
 
+def import_line(module: str) -> str:
+    """A test's line that imports from itself by its module name (what a function sent to other
+    processes does), written with a variable for the same reason."""
+    return f"from tests.{module} import SIZES\n"
+
+
 def make_repo(root: Path) -> Path:
     for m in MODULES:
         (root / "ftrain" / f"{m}.py").parent.mkdir(parents=True, exist_ok=True)
@@ -38,6 +44,7 @@ def make_repo(root: Path) -> Path:
     (root / "tests").mkdir()
     for t in TESTS:
         (root / "tests" / f"test_{t}.py").write_text(doc_line(1))
+    (root / "tests" / "test_io_layout.py").write_text(import_line("test_io_layout"))
     (root / "tests" / "_tiny.py").write_text("")
     (root / "benchmarks").mkdir()
     (root / "docs").mkdir()
@@ -99,6 +106,7 @@ def test_moves_rewrites_and_follows_modules_that_move(tmp_path):
     mirror.main(["--root", str(root)])
     moved = root / "tests" / "docs" / "test_intro.py"
     assert moved.read_text() == doc_line(2)
+    assert (root / "tests" / "io" / "test_layout.py").read_text() == import_line("io.test_layout")
     assert (root / "docs" / "intro.md").read_text() == "checked by `tests/docs/test_intro.py`\n"
     io = "io"  # every io test moved to tests/io/; not every tests/test_*.py moved there
     assert (root / "docs" / "io.md").read_text() == f"tests/{io}/test_*.py, tests/test_*.py\n"

@@ -26,7 +26,8 @@ that was renamed needs its test renamed by hand (the script never guesses from a
 rewrites, in the moved files, ``Path(__file__)...parents[N]`` by the change of depth, and in every
 tracked text file the paths of the moved tests (``tests/test_optim_fused.py`` ->
 ``tests/optim/test_fused.py``; a glob such as ``tests/test_optim_*.py`` too, where all it matched
-moved to one folder), except in this script and under ``--leave`` folders; and it sets up ``pyproject.toml`` so that the suite runs from
+moved to one folder; and the module names, ``from tests.test_optim_fused import ...``), except
+in this script and under ``--leave`` folders; and it sets up ``pyproject.toml`` so that the suite runs from
 folders: ``pythonpath = ["tests"]`` (the helpers ``tests/_*.py`` import from any folder),
 ``--import-mode=importlib`` (two ``test_layout.py`` in two folders do not collide, with no
 ``__init__.py``), and ruff's isort ``known-local-folder`` listing every ``tests/_*.py``.
@@ -188,6 +189,12 @@ def rename_globs(texts: list[str], renamed: dict[str, str], after: set[str]) -> 
     return globs
 
 
+def _dotted(path: str) -> str:
+    """A test file's module name from the repository root: ``tests/optim/test_fused.py`` ->
+    ``tests.optim.test_fused`` (what a test imports to reach another's helpers)."""
+    return path.removesuffix(".py").replace("/", ".")
+
+
 def apply(root: Path, moves: list[Move], leave: tuple[str, ...] = ()) -> list[str]:
     """Carry out ``moves`` with ``git mv`` and the rewrites; the files changed besides them."""
     before = set(_git(root, "ls-files", "tests").splitlines())
@@ -214,6 +221,7 @@ def apply(root: Path, moves: list[Move], leave: tuple[str, ...] = ()) -> list[st
         except UnicodeDecodeError:
             continue
     renamed.update(rename_globs(list(texts.values()), renamed, after))
+    renamed.update({_dotted(o): _dotted(n) for o, n in list(renamed.items()) if "*" not in o})
     changed = []
     if renamed:
         keys = sorted(renamed, key=len, reverse=True)
@@ -238,9 +246,10 @@ def stale_references(root: Path) -> list[tuple[str, str]]:
     """``(file, path)`` for each test path (or glob such as ``tests/test_transforms_*.py``) that a
     tracked text file names and that matches no file: what the rewrite could not follow."""
     stale = []
+    this = Path(__file__).resolve()
     for rel in _git(root, "ls-files").splitlines():
         path = root / rel
-        if not path.is_file() or path.suffix not in TEXT:
+        if not path.is_file() or path.suffix not in TEXT or path.resolve() == this:
             continue
         try:
             text = path.read_text()
