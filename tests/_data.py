@@ -1,4 +1,4 @@
-"""Shared by the tests of ftrain.data's loader (tests/test_data_*.py): tiny map-style datasets whose
+"""Shared by the tests of ftrain.data's loader (tests/data/test_*.py): tiny map-style datasets whose
 examples say which sample they are, and helpers to read batches."""
 
 import itertools

@@ -42,7 +42,7 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-# --- token builds (tests/test_data_build.py, tests/test_data_datasets.py) -------------------------
+# --- token builds (tests/data/test_build.py, tests/data/test_datasets.py) -------------------------
 
 
 @pytest.fixture(scope="session")
@@ -103,7 +103,7 @@ def tiny_run(tmp_path_factory) -> list[str]:
     ]  # fmt: skip
 
 
-# --- the 2-rank run (tests/test_transforms_shard.py, tests/test_distributed_*.py) ---------------
+# --- the 2-rank run (tests/transforms/test_shard.py, tests/distributed/test_*.py) ---------------
 
 
 @pytest.fixture(scope="session")
@@ -116,7 +116,7 @@ def two_ranks(tmp_path_factory) -> list[dict]:
     return run_distributed(on_two_ranks, WORLD, str(tmp_path_factory.mktemp("two_ranks")))
 
 
-# --- the memory planner's 2-rank run (tests/test_memory_plan.py, tests/test_memory_fsdp.py) ------
+# --- the memory planner's 2-rank run (tests/memory/test_plan.py, tests/memory/test_fsdp.py) ------
 
 
 @pytest.fixture(scope="session")
@@ -128,7 +128,7 @@ def memory_ranks() -> list[dict]:
     return run_distributed(on_two_ranks, 2, timeout=240)
 
 
-# --- sharded checkpoints (tests/test_io_sharded.py, tests/test_io_reshard.py, tests/test_io_consolidate.py)
+# --- sharded checkpoints (tests/io/test_sharded.py, tests/io/test_reshard.py, tests/io/test_consolidate.py)
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,7 @@ import torch
 from ftrain.cli import main
 from ftrain.config import TrainConfig, flag_name
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GUIDE = (ROOT / "docs" / "gpu.md").read_text()
 
 

@@ -1,7 +1,7 @@
 """ftrain.optim.fused: ``adam``, ``adamw`` and ``sgd`` with ``fused=None``/``True`` (torch's fused
 kernels) against the same optimizer with ``fused=False`` (the foreach chain).
 
-The invariant (DESIGN.md section 3), checked as ``tests/test_optim_alias.py`` checks ftrain against
+The invariant (DESIGN.md section 3), checked as ``tests/optim/test_alias.py`` checks ftrain against
 torch.optim:
 
 * *step for step*: along a 50-step foreach run of a tiny GPT, each fused update from the same

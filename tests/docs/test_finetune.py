@@ -11,7 +11,7 @@ import pytest
 
 from ftrain.cli import main
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "finetune.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "finetune.md"
 BLOCK = re.compile(r"```(\w+)( [^\n]+)?\n(.*?)```", re.S)
 
 

@@ -12,7 +12,7 @@ import ftrain as ft
 from ftrain.models import GPT, GPTConfig
 from ftrain.testing import assert_no_recompile, assert_one_graph, max_rel_error, run_distributed
 
-DOC = Path(__file__).parents[1] / "docs" / "transforms.md"
+DOC = Path(__file__).parents[2] / "docs" / "transforms.md"
 
 
 def _run_doc(upto: str | None = None) -> dict:

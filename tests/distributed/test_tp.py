@@ -17,7 +17,7 @@ def _ranks():
 
     from ftrain.distributed.plans import Colwise, Rowwise, local_piece, resolve_plan
     from ftrain.distributed.tp import colwise_linear, rowwise_linear
-    from tests.test_distributed_tp import _mlp
+    from tests.distributed.test_tp import _mlp
 
     fc, proj, x = _mlp()
     splits = resolve_plan(nn.Sequential(fc, proj), {"0": Colwise(), "1": Rowwise()}, 2)

@@ -38,7 +38,7 @@ def _ranks():
     import torch.distributed as dist
 
     from ftrain.distributed.vocab import vocab_parallel_cross_entropy, vocab_parallel_token_losses
-    from tests.test_distributed_vocab import V, _big, _head, _inputs
+    from tests.distributed.test_vocab import V, _big, _head, _inputs
 
     rank = dist.get_rank()
     logits, targets, mask = _inputs()

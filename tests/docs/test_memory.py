@@ -3,7 +3,7 @@
 import re
 from pathlib import Path
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "memory.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "memory.md"
 
 
 def test_memory_guide_runs():

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "lora.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "lora.md"
 
 
 def test_the_lora_guide_runs_and_its_export_matches(capsys):

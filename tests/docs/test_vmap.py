@@ -8,7 +8,7 @@ import torch
 
 import ftrain as ft
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "vmap.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "vmap.md"
 
 
 def test_vmap_guide_runs():

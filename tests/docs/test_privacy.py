@@ -10,7 +10,7 @@ import torch
 
 import ftrain as ft
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "privacy.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "privacy.md"
 
 
 def test_privacy_guide_runs_and_keeps_its_promises():

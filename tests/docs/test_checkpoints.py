@@ -6,7 +6,7 @@ from pathlib import Path
 
 import ftrain as ft
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "checkpoints.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "checkpoints.md"
 
 
 def test_checkpoints_guide_runs():

@@ -4,7 +4,7 @@ block shows the 2 x 2 layout that test_transforms_tensor_parallel.py runs on 4 p
 import re
 from pathlib import Path
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "tensor-parallel.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "tensor-parallel.md"
 
 
 def test_tensor_parallel_guide_runs():
