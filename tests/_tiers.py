@@ -3,8 +3,12 @@
 A test is slow when it, a fixture it uses, or a helper of the suite that either of them calls
 (followed through the tests' own modules, to any depth) names one of :data:`SLOW_NAMES`: it
 starts processes (``run_distributed``, torchrun, multiprocessing), runs a subprocess (the
-``ftrain`` command in a child, a benchmark script), executes a notebook, or compiles (``ft.compile``,
-``torch.compile``, the ``assert_no_recompile`` / ``assert_one_graph`` checks, ``dynamo.explain``).
+``ftrain`` command in a child, a benchmark script), executes a notebook or a guide's code blocks
+(``exec``), compiles (``ft.compile``, ``torch.compile``, the ``assert_no_recompile`` /
+``assert_one_graph`` checks, ``dynamo.explain``), or measures a step's peak memory by running it
+(``peak_bytes``, ``ft.fit``); or when it uses a fixture of :data:`SLOW_FIXTURES` (a training run of
+the ``ftrain`` command). Tests slow for another reason (a long trajectory) are marked by hand,
+with the reason.
 
 Why the source and not a list of files or of measured times: a new test that spawns or compiles is
 marked the day it is written, wherever it sits and whichever helper it reaches the spawn through
@@ -49,6 +53,16 @@ SLOW_NAMES = {
     "assert_one_graph": "compiles",
     "dynamo.explain": "compiles",
     "torch._dynamo.explain": "compiles",
+    # running a guide's code blocks (docs/*.md, the README), as a notebook would
+    "exec": "runs a guide's code",
+    # measuring memory: the real step run under an allocation tracker, once per candidate
+    "peak_bytes": "measures a step's peak memory",
+    "ft.fit": "measures a step's peak memory",
+}
+
+# A fixture by name -> why a test that uses it is slow.
+SLOW_FIXTURES = {
+    "tiny_run": "trains through the ftrain command",  # the flags of a tiny `ftrain train` run
 }
 
 
@@ -129,10 +143,14 @@ def _where(obj) -> tuple[str, str, dict] | None:
     return path, obj.__qualname__, scope
 
 
-def slow_reason(fn, fixtures=()) -> str | None:
-    """Why the test function ``fn`` (using the fixture functions ``fixtures``) is slow, or
-    ``None``: the first name of :data:`SLOW_NAMES` in the code it reaches within tests/ (its
-    decorators, the helpers, tables and fixtures it names, and theirs)."""
+def slow_reason(fn, fixtures=(), fixture_names=()) -> str | None:
+    """Why the test function ``fn`` (using the fixture functions ``fixtures``, named
+    ``fixture_names``) is slow, or ``None``: a fixture of :data:`SLOW_FIXTURES`, or the first name
+    of :data:`SLOW_NAMES` in the code it reaches within tests/ (its decorators, the helpers, tables
+    and fixtures it names, and theirs)."""
+    for name in fixture_names:
+        if name in SLOW_FIXTURES:
+            return f"{SLOW_FIXTURES[name]}: {name}"
     todo = [w for f in (fn, *fixtures) if (w := _where(f))]
     seen: set[tuple[str, str]] = set()
     while todo:

@@ -19,7 +19,8 @@ from _tiers import slow_reason
 
 def pytest_collection_modifyitems(config, items):
     """Mark ``slow`` every test that starts processes or subprocesses, runs a notebook or
-    compiles, read off its source and its fixtures' (``_tiers.py`` says how and why), so that
+    compiles, measures a step's peak memory or trains through the ftrain command, read off its
+    source and its fixtures' (``_tiers.py`` says how and why), so that
     ``python -m pytest -q -m "not slow"`` is the fast tier. The full suite runs them all."""
     for item in items:
         fn = getattr(item, "function", None)
@@ -27,7 +28,7 @@ def pytest_collection_modifyitems(config, items):
             continue
         info = getattr(item, "_fixtureinfo", None)
         defs = info.name2fixturedefs.values() if info is not None else ()
-        reason = slow_reason(fn, [d[-1].func for d in defs if d])
+        reason = slow_reason(fn, [d[-1].func for d in defs if d], item.fixturenames)
         if reason:
             item.add_marker(pytest.mark.slow(reason=reason))
 

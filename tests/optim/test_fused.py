@@ -172,6 +172,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow(reason="50 steps of a GPT in each of 10 cases, about 25 s in all")
 @pytest.mark.parametrize("name", list(CASES))
 def test_fused_equals_foreach_step_for_step(name, kernel_calls):
     assert_step_for_step(CASES[name], kernel_calls)

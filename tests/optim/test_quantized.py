@@ -54,6 +54,7 @@ def _stdlib_batches(tmp_path, steps, batch_size=8, seq_len=64):
     return [next(it) for _ in range(steps)]
 
 
+@pytest.mark.slow(reason="200 steps of two GPT runs on real text, about 10 s")
 def test_adamw8bit_tracks_adamw_on_a_gpt(tmp_path):
     """200 steps on real text: the 8-bit run's loss stays within 2% of AdamW's (averaged over the
     last 20 steps) and both fall far below the starting loss."""
