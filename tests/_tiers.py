@@ -115,8 +115,8 @@ def _names(node: ast.AST) -> set[str]:
     return names
 
 
-def _in_tests(path: str | None) -> bool:
-    return path is not None and Path(path).resolve().is_relative_to(TESTS)
+def _in_tests(path: str | None, root: Path) -> bool:
+    return path is not None and Path(path).resolve().is_relative_to(root)
 
 
 def _reason_of(names: set[str]) -> str | None:
@@ -129,7 +129,7 @@ def _reason_of(names: set[str]) -> str | None:
     return None
 
 
-def _where(obj) -> tuple[str, str, dict] | None:
+def _where(obj, root: Path) -> tuple[str, str, dict] | None:
     """``(source file, qualified name, globals)`` of a function or class defined in tests/."""
     if not (inspect.isfunction(obj) or inspect.isclass(obj)):
         return None
@@ -137,21 +137,21 @@ def _where(obj) -> tuple[str, str, dict] | None:
         path = inspect.getsourcefile(obj)
     except TypeError:
         return None
-    if not _in_tests(path):
+    if not _in_tests(path, root):
         return None
     scope = obj.__globals__ if inspect.isfunction(obj) else vars(sys.modules[obj.__module__])
     return path, obj.__qualname__, scope
 
 
-def slow_reason(fn, fixtures=(), fixture_names=()) -> str | None:
+def slow_reason(fn, fixtures=(), fixture_names=(), root: Path = TESTS) -> str | None:
     """Why the test function ``fn`` (using the fixture functions ``fixtures``, named
     ``fixture_names``) is slow, or ``None``: a fixture of :data:`SLOW_FIXTURES`, or the first name
-    of :data:`SLOW_NAMES` in the code it reaches within tests/ (its decorators, the helpers, tables
-    and fixtures it names, and theirs)."""
+    of :data:`SLOW_NAMES` in the code it reaches within ``root`` (tests/: its decorators, the
+    helpers, tables and fixtures it names, and theirs)."""
     for name in fixture_names:
         if name in SLOW_FIXTURES:
             return f"{SLOW_FIXTURES[name]}: {name}"
-    todo = [w for f in (fn, *fixtures) if (w := _where(f))]
+    todo = [w for f in (fn, *fixtures) if (w := _where(f, root))]
     seen: set[tuple[str, str]] = set()
     while todo:
         path, qualname, scope = todo.pop()
@@ -165,6 +165,6 @@ def slow_reason(fn, fixtures=(), fixture_names=()) -> str | None:
             for head in {n.split(".")[0] for n in names}:
                 if head in _top_level(path):
                     todo.append((path, head, scope))
-                elif where := _where(scope.get(head)):
+                elif where := _where(scope.get(head), root):
                     todo.append(where)
     return None
