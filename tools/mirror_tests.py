@@ -105,7 +105,10 @@ def _place(name: str, mods: list[tuple[str, ...]], root: Path):
         if named:
             found = ", ".join("/".join(m) for m in named)
             return f"{stem!r} names {found}; not one of them is in {'/'.join(prefix)}"
-    return f"no module of {PACKAGE}/ is named by {name!r} (renamed? rename the test by hand)"
+    return (
+        f"no module of {PACKAGE}/ is named by {name!r}: it stays (a test of a renamed module needs"
+        " its new name by hand; a test of the whole suite or package belongs where it is)"
+    )
 
 
 def plan(root: Path) -> tuple[list[Move], list[tuple[str, str]]]:
