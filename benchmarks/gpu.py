@@ -121,7 +121,7 @@ def check_transforms(run: Run) -> None:
     dims = CHECK_TINY if run.tiny else CHECK
     rows = 4 if run.tiny else 8
     # accumulate: DESIGN's bound (1e-5 relative), with SGD + momentum as the suite checks it
-    # (tests/test_transforms_accumulate.py): Adam's division by sqrt(v) would amplify the fp32
+    # (tests/transforms/test_accumulate.py): Adam's division by sqrt(v) would amplify the fp32
     # rounding of a different summation order on near-zero gradients
     sgd = optim.sgd(0.1, momentum=0.9)
     _, _, _, step, state, batch = gpt_task(run, dims, rows, opt=sgd)

@@ -14,6 +14,24 @@ import torch
 from ftrain import data
 from ftrain.distributed import run_distributed
 
+from _tiers import slow_reason
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark ``slow`` every test that starts processes or subprocesses, runs a notebook or
+    compiles, measures a step's peak memory or trains through the ftrain command, read off its
+    source and its fixtures' (``_tiers.py`` says how and why), so that
+    ``python -m pytest -q -m "not slow"`` is the fast tier. The full suite runs them all."""
+    for item in items:
+        fn = getattr(item, "function", None)
+        if fn is None or item.get_closest_marker("slow"):
+            continue
+        info = getattr(item, "_fixtureinfo", None)
+        defs = info.name2fixturedefs.values() if info is not None else ()
+        reason = slow_reason(fn, [d[-1].func for d in defs if d], item.fixturenames)
+        if reason:
+            item.add_marker(pytest.mark.slow(reason=reason))
+
 
 @pytest.fixture(autouse=True, scope="session")
 def one_thread():
@@ -25,7 +43,7 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-# --- token builds (tests/test_data_build.py, tests/test_data_datasets.py) -------------------------
+# --- token builds (tests/data/test_build.py, tests/data/test_datasets.py) -------------------------
 
 
 @pytest.fixture(scope="session")
@@ -86,7 +104,7 @@ def tiny_run(tmp_path_factory) -> list[str]:
     ]  # fmt: skip
 
 
-# --- the 2-rank run (tests/test_transforms_shard.py, tests/test_distributed_*.py) ---------------
+# --- the 2-rank run (tests/transforms/test_shard.py, tests/distributed/test_*.py) ---------------
 
 
 @pytest.fixture(scope="session")
@@ -99,7 +117,7 @@ def two_ranks(tmp_path_factory) -> list[dict]:
     return run_distributed(on_two_ranks, WORLD, str(tmp_path_factory.mktemp("two_ranks")))
 
 
-# --- the memory planner's 2-rank run (tests/test_memory_plan.py, tests/test_memory_fsdp.py) ------
+# --- the memory planner's 2-rank run (tests/memory/test_plan.py, tests/memory/test_fsdp.py) ------
 
 
 @pytest.fixture(scope="session")
@@ -111,7 +129,7 @@ def memory_ranks() -> list[dict]:
     return run_distributed(on_two_ranks, 2, timeout=240)
 
 
-# --- sharded checkpoints (tests/test_io_sharded.py, test_io_reshard.py, test_io_consolidate.py) ---
+# --- sharded checkpoints (tests/io/test_sharded.py, tests/io/test_reshard.py, tests/io/test_consolidate.py)
 
 
 @pytest.fixture(scope="session")
@@ -121,9 +139,9 @@ def sharded_checkpoints(tmp_path_factory) -> tuple[str, dict]:
     what each rank found, by ``"two0"``, ``"two1"``, ``"three0"``, ... ."""
     import os
 
-    from _sharded_ranks import on_three, on_two
-
     from ftrain.distributed import DistributedError
+
+    from _sharded_ranks import on_three, on_two
 
     root = str(tmp_path_factory.mktemp("sharded"))
     run_distributed(on_two, 2, root)

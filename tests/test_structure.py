@@ -3,6 +3,7 @@ name imported from another ftrain module (except from ``ftrain.internals``, the 
 module shares), no import cycle among ftrain modules, no module-level mutable registry."""
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -142,7 +143,7 @@ def test_the_cycle_check_can_fail(tmp_path, monkeypatch):
     (tmp_path / "a.py").write_text("from ftrain.b import x\n")
     (tmp_path / "b.py").write_text("import ftrain.a\nx = 1\n")
     fake = {"ftrain.a": tmp_path / "a.py", "ftrain.b": tmp_path / "b.py"}
-    monkeypatch.setattr(__import__(__name__), "MODULES", fake)
+    monkeypatch.setattr(sys.modules[__name__], "MODULES", fake)
     graph = _edges()
     assert graph == {"ftrain.a": {"ftrain.b"}, "ftrain.b": {"ftrain.a"}}
 
