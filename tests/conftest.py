@@ -88,7 +88,7 @@ def read_docs():
     return read
 
 
-# --- the ftrain command (tests/test_cli.py, tests/test_loop.py) -------------------------------
+# --- the ftrain command (tests/app/test_cli.py, tests/app/test_loop.py) -------------------------------
 
 
 @pytest.fixture(scope="session")
@@ -117,7 +117,7 @@ def two_ranks(tmp_path_factory) -> list[dict]:
     return run_distributed(on_two_ranks, WORLD, str(tmp_path_factory.mktemp("two_ranks")))
 
 
-# --- the memory planner's 2-rank run (tests/memory/test_plan.py, tests/memory/test_fsdp.py) ------
+# --- the memory planner's 2-rank run (tests/memory/test_predict.py, tests/memory/test_fake_fsdp.py) ------
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,7 @@ optimizer) to their meta kernels (``torch/distributed/_meta_registrations.py``),
 once, send nothing and allocate nothing; the buffers around them are ftrain's own
 (``ftrain.distributed.collectives.Layout``) and are counted like any other storage. So planning
 needs the step's mesh (the process group ``ft.shard`` was built in: its size and this rank) and
-no other process: one rank may plan alone (tests/test_memory_fsdp.py checks that nothing is sent).
+no other process: one rank may plan alone (tests/memory/test_fake_fsdp.py checks that nothing is sent).
 """
 
 from __future__ import annotations

@@ -118,7 +118,7 @@ def memory(step: Step, state: TrainState | TensorDictBase, batch: Any) -> Memory
     **Invariant:** within 10% of the peak of live bytes the real step allocates
     (``ftrain.testing.peak_bytes``), over micro-batches, checkpoint policies, precisions,
     optimizers, and ``ddp``/``zero1``/``zero2``/``fsdp`` on 2 gloo ranks
-    (``tests/test_memory_plan.py``, ``tests/test_memory_fsdp.py``).
+    (``tests/memory/test_predict.py``, ``tests/memory/test_fake_fsdp.py``).
     """
     plain, shard = planned_step(step)
     mode = fake_mode()

@@ -60,8 +60,8 @@ def sgd(
 
     **Invariant:** matches ``torch.optim.SGD(lr, momentum, nesterov=..., weight_decay=...)``
     (dampening 0): 50 steps of a small transformer agree to 1e-6 relative
-    (``tests/test_optim.py``), fused or not; the fused and the foreach update agree to 1e-6 relative
-    over 50 steps, with the same state (``tests/test_optim_fused.py``).
+    (``tests/optim/test_alias.py``), fused or not; the fused and the foreach update agree to 1e-6 relative
+    over 50 steps, with the same state (``tests/optim/test_fused.py``).
 
     Conventions: torch's. ``optax.sgd`` has no weight decay (optax users chain
     ``add_decayed_weights`` themselves, as this does first, where torch adds it); the momentum
@@ -114,8 +114,8 @@ def adam(
 
     **Invariant:** matches ``torch.optim.Adam``: from the same params, moments and gradients each
     step agrees to 1e-6 relative; over 50 steps, ftrain stays as close to torch's foreach Adam as
-    torch's fused Adam does (Adam amplifies 1-ulp differences; ``tests/test_optim.py``). The fused
-    and the foreach update agree to 1e-6 relative over 50 steps (``tests/test_optim_fused.py``).
+    torch's fused Adam does (Adam amplifies 1-ulp differences; ``tests/optim/test_alias.py``). The fused
+    and the foreach update agree to 1e-6 relative over 50 steps (``tests/optim/test_fused.py``).
 
     Conventions: ``eps`` is added outside the square root, ``m_hat / (sqrt(v_hat) + eps)``, as in
     torch and ``optax.adam`` (optax's ``eps_root``, inside it, is 0 here). The weight decay is
@@ -155,10 +155,10 @@ def adamw(
 
     **Invariant:** matches ``torch.optim.AdamW``: from the same params, moments and gradients each
     step agrees to 1e-6 relative; over 50 steps, ftrain stays as close to torch's foreach AdamW as
-    torch's fused AdamW does (``tests/test_optim.py``). One known difference: torch multiplies
+    torch's fused AdamW does (``tests/optim/test_alias.py``). One known difference: torch multiplies
     params by ``1 - lr * weight_decay`` rounded to float32, ftrain adds ``lr * weight_decay * p``.
     The fused and the foreach update agree to 1e-6 relative over 50 steps, with masks, schedules,
-    ``inject_hyperparams``, ``partition`` and donation (``tests/test_optim_fused.py``).
+    ``inject_hyperparams``, ``partition`` and donation (``tests/optim/test_fused.py``).
 
     Conventions: the decay is scaled by the learning rate (``p -= lr * (adam + wd * p)``), as in
     torch and ``optax.adamw`` alike; the default ``weight_decay`` is torch's 1e-2 (optax's is

@@ -22,7 +22,7 @@ generates its own fused kernels from the chain's foreach math, and torch's fused
 learning rate as a tensor (``_fused_adamw_.tensor_lr``, ``_fused_sgd_``) have no fake (meta)
 implementation that a compiler could trace (torch 2.13). Only eager steps call torch's kernels.
 
-**What stays the same** (the invariant, ``tests/test_optim_fused.py``): the state (``init`` is the
+**What stays the same** (the invariant, ``tests/optim/test_fused.py``): the state (``init`` is the
 chain's: ``mu``/``nu``/``count``, ``trace``, the learning rate's ``count``/``lr``; a checkpoint
 written on one path loads on the other), the ``lr`` the step reports, decay masks (the decay is
 applied per leaf as the chain's ``masked`` does), schedules (evaluated from the state's count as a

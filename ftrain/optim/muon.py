@@ -251,7 +251,7 @@ def muon(
 
     **Invariant:** matches ``torch.optim.Muon(lr, weight_decay, momentum, nesterov,
     ns_coefficients, eps, ns_steps, adjust_lr_fn)`` to 1e-5 relative over 50 steps
-    (``tests/test_optim_muon.py``); ``mask`` (e.g. :func:`ftrain.optim.decay_mask`) limits the
+    (``tests/optim/test_muon.py``); ``mask`` (e.g. :func:`ftrain.optim.decay_mask`) limits the
     decay, which torch expresses with param groups.
 
     Conventions (torch's, where the references differ):

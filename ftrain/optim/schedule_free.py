@@ -189,7 +189,7 @@ def schedule_free_adamw(
     **Invariant:** matches ``schedulefree.AdamWScheduleFree(lr, betas=(b1, b2), eps,
     weight_decay, warmup_steps, r, weight_lr_power)`` in train mode: over 50 steps the params
     (``y``) agree to 1e-5 relative, and :func:`schedule_free_eval_params` agrees with the
-    package's params after ``.eval()`` (``x``); ``tests/test_optim_schedule_free.py``.
+    package's params after ``.eval()`` (``x``); ``tests/optim/test_schedule_free.py``.
 
     As the package (and the paper's Algorithm 1): no first moment (``b1`` interpolates instead);
     the second moment is bias-corrected inside the square root, ``eps`` added outside it; weight

@@ -52,7 +52,7 @@ def update_and_apply(
     own :func:`ftrain.optim.base.leaf_apply`: ``adam``, ``adamw`` and ``sgd`` on torch's fused
     kernels (and a ``chain``, ``partition`` or ``inject_hyperparams`` ending in them), whose
     kernel writes the new params directly, as ``torch.optim``'s fused step does, one pass over the
-    params fewer (the same numbers to 1e-6 relative, ``tests/test_optim_fused.py``).
+    params fewer (the same numbers to 1e-6 relative, ``tests/optim/test_fused.py``).
 
     With ``inplace=True`` the params, the state and the gradients may all be overwritten (the
     params are, in place; what a donated step allows); the returned params are ``params``.

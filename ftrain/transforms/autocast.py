@@ -223,7 +223,7 @@ def autocast(
 
     **Invariant:** bf16 and fp16 results are close to fp32: on small models the loss agrees to
     1e-2 and each gradient tensor to 3e-2, relative to its largest entry (bf16 measures about
-    8e-3, fp16 about 1e-3; ``tests/test_transforms_autocast.py``). fp16 never applies a non-finite update.
+    8e-3, fp16 about 1e-3; ``tests/transforms/test_autocast.py``). fp16 never applies a non-finite update.
     """
     if dtype not in _DTYPES:
         raise ValueError(

@@ -41,7 +41,7 @@ def _ranks():
         vocab_parallel_cross_entropy,
         vocab_parallel_token_losses,
     )
-    from tests.distributed.test_vocab import V, _big, _head, _inputs
+    from tests.distributed.tensor_parallel.test_vocab_loss import V, _big, _head, _inputs
 
     rank = dist.get_rank()
     logits, targets, mask = _inputs()

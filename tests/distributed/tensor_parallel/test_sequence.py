@@ -68,7 +68,7 @@ def _ranks():
         split_sequence,
         sum_partial_grads,
     )
-    from tests.distributed.test_sequence import SPLITS, T, _block, _inputs
+    from tests.distributed.tensor_parallel.test_sequence import SPLITS, T, _block, _inputs
 
     rank, tp = dist.get_rank(), dist.get_world_size()
     params, x, w = _inputs()

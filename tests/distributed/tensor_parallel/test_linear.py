@@ -17,7 +17,7 @@ def _ranks():
 
     from ftrain.distributed.tensor_parallel.linear import colwise_linear, rowwise_linear
     from ftrain.distributed.tensor_parallel.plans import Colwise, Rowwise, local_piece, resolve_plan
-    from tests.distributed.test_tp import _mlp
+    from tests.distributed.tensor_parallel.test_linear import _mlp
 
     fc, proj, x = _mlp()
     splits = resolve_plan(nn.Sequential(fc, proj), {"0": Colwise(), "1": Rowwise()}, 2)
