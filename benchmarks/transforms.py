@@ -54,8 +54,8 @@ class CheckpointedBlock(nn.Module):
         super().__init__()
         self.block = block
 
-    def forward(self, x):
-        return torch_checkpoint(self.block, x, use_reentrant=False)
+    def forward(self, x, *more):  # more: the block's other inputs (the GPT's attention mask)
+        return torch_checkpoint(self.block, x, *more, use_reentrant=False)
 
 
 def torch_step(model, opt, batch, micro=1, dtype=None):
