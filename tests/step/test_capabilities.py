@@ -3,22 +3,11 @@ built. A capability is exclusive unless the table shares it; a rule names both t
 fix, in either order; no built-in transform names another."""
 
 import pytest
-import torch
-from torch import nn
 
 import ftrain as ft
-from ftrain import optim
 from ftrain.step import capabilities
 
-
-def linear_step():
-    model = nn.Linear(3, 2)
-
-    def loss_fn(params, batch):
-        err = ft.apply(model, params, batch["x"]) - batch["y"]
-        return ft.Loss(err.pow(2).sum(), torch.tensor(len(err)))
-
-    return ft.train_step(loss_fn, optim.sgd(0.1))
+from _tiny import gpt_step
 
 
 class GradNoise(ft.Transform):
@@ -32,7 +21,7 @@ class OtherNoise(ft.Transform):
 
 
 def test_a_declared_capability_is_exclusive_unless_the_table_shares_it():
-    step = linear_step()
+    _, step, _ = gpt_step()
     assert GradNoise.name == "grad_noise"  # the class name in snake case
     with pytest.raises(ValueError, match=r"^ft\.grad_noise was applied twice \(it adds gradient "):
         GradNoise()(ft.accumulate(GradNoise()(step), 2))
@@ -56,7 +45,7 @@ class FuncGrad(ft.Transform):
 
 
 def test_a_rule_of_the_table_names_both_transforms_and_the_fix_in_either_order():
-    step = linear_step()
+    _, step, _ = gpt_step()
     for build in (lambda: ft.checkpoint(FuncGrad()(step)), lambda: FuncGrad()(ft.checkpoint(step))):
         with pytest.raises(ValueError) as refused:
             build()

@@ -3,27 +3,17 @@ order it runs, the transforms acting there (only where they act) and whether it 
 compiled, worked out from what the step resolved when it was built."""
 
 import torch
-from torch import nn
 
 import ftrain as ft
-from ftrain import optim
 
-
-def linear_step():
-    model = nn.Linear(3, 2)
-
-    def loss_fn(params, batch):
-        err = ft.apply(model, params, batch["x"]) - batch["y"]
-        return ft.Loss(err.pow(2).sum(), torch.tensor(len(err)))
-
-    return ft.train_step(loss_fn, optim.sgd(0.1))
+from _tiny import gpt_step
 
 
 def test_explain_lists_each_hook_in_the_order_it_runs_with_its_transforms():
     """``step.explain()`` is worked out from what the step resolved: a transform is listed at a
     hook only where it acts (``ft.autocast`` to bf16 has no loss scale), in the order the hooks
     run, and every hook inside the step is marked compiled under ``ft.compile``."""
-    step = linear_step()
+    _, step, _ = gpt_step()
     bf16 = ft.autocast(ft.accumulate(step, 2), torch.bfloat16, tf32=True)
     rows = {r.hook: r for r in bf16.explain_rows()}
     assert rows["split"].transforms == ("accumulate",)
