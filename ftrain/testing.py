@@ -305,10 +305,15 @@ class AllocationPeak(LiveBytes):
     """What :func:`track_allocations` yields: ``peak``, the most bytes of storages allocated
     inside the block that were alive at once; ``alive_bytes()``, those alive now. The counter of
     ``peak_bytes`` and ``ft.memory`` (:class:`~ftrain.memory.tracker.LiveBytes`), counting only
-    storages made inside the block."""
+    storages made inside the block. A meta tensor (a shape without data, e.g. a model template
+    built under ``torch.device("meta")``) holds no memory and counts nothing."""
 
     def __init__(self) -> None:
         super().__init__(fresh_only=True)
+
+    def _count(self, t: torch.Tensor) -> None:
+        if t.device.type != "meta":
+            super()._count(t)
 
     def alive_bytes(self) -> int:
         """Bytes of the storages allocated inside the block and alive now."""

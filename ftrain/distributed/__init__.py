@@ -8,8 +8,10 @@ parallelism, the vocabulary-parallel loss). The ``ft.shard`` and
     torchrun --nproc_per_node 2 -m ftrain train --shard fsdp
     torchrun --nproc_per_node 4 -m ftrain train --shard fsdp --tp 2   # fsdp over dp x tp
     results = ft.distributed.run_distributed(fn, world_size=2)   # in tests and notebooks
+    state = ft.distributed.sharded_init(lambda: GPT(config), opt, "fsdp")  # never whole
 """
 
+from ftrain.distributed.data_parallel.born import sharded_init
 from ftrain.distributed.data_parallel.fsdp import track_gathered
 from ftrain.distributed.data_parallel.zero import (
     STRATEGIES,
@@ -77,6 +79,7 @@ __all__ = [
     "run_distributed",
     "sequence_dropout",
     "shard_state",
+    "sharded_init",
     "split_sequence",
     "sum_partial_grads",
     "track_gathered",
