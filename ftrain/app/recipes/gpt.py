@@ -38,6 +38,7 @@ from ftrain.transforms import Lora
 __all__ = [
     "Recipe",
     "SCHEDULE_FREE",
+    "born_sharded",
     "build",
     "build_data",
     "build_lora",
@@ -45,6 +46,7 @@ __all__ = [
     "build_optimizer",
     "build_schedule",
     "build_state",
+    "build_model_and_state",
     "build_step",
     "data_dir",
     "eval_params",
@@ -72,7 +74,8 @@ class Recipe(NamedTuple):
 
 def build(cfg: TrainConfig, *, rank: int = 0, world: int = 1, quiet: bool = False) -> Recipe:
     """Everything ``cfg`` describes, for process ``rank`` of ``world``, at step 0 (the state is
-    whole: the loop lays it out across processes). The same ``cfg`` gives the same recipe.
+    whole, the loop lays it out across processes; under ``--shard fsdp`` it is born as this
+    process's shards: :func:`build_model_and_state`). The same ``cfg`` gives the same recipe.
 
     The model template, the state and the loader's batches are on ``cfg.device`` (resolved by
     ``placement.resolve``: ``auto`` is the GPU when there is one); the init is the same on every
@@ -81,9 +84,8 @@ def build(cfg: TrainConfig, *, rank: int = 0, world: int = 1, quiet: bool = Fals
     cfg = placement.resolve(cfg)
     built = rows.build(cfg, rank=rank, world=world, quiet=quiet)
     cfg = rows.with_length(cfg, built.train, world)  # --epochs N -> max_steps, before the schedule
-    model = build_model(cfg).to(cfg.device)
     opt = build_optimizer(cfg)
-    state = build_state(cfg, model, opt)
+    model, state = build_model_and_state(cfg, opt, world)
     step = build_step(cfg, model, opt)
     placement.release_params(model)  # the state holds the params: the template's go to meta
     about = startup.summary(cfg, built, state, world)
@@ -189,6 +191,31 @@ def build_state(
     if lora is not None:
         return lora.init_state(ft.params_of(model), opt, seed=cfg.seed)
     return ft.TrainState.create(ft.params_of(model), opt, seed=cfg.seed)
+
+
+def born_sharded(cfg: TrainConfig, world: int) -> bool:
+    """Whether the state is born as this process's fsdp shards (never whole on any process):
+    ``--shard fsdp`` over two or more processes, without ``--tp`` or ``--lora-rank`` (those lay
+    the state out from whole tensors)."""
+    return cfg.shard == "fsdp" and world > 1 and cfg.tp <= 1 and not cfg.lora_rank
+
+
+def build_model_and_state(
+    cfg: TrainConfig, opt: optim.GradientTransformation, world: int = 1
+) -> tuple[GPT, ft.TrainState]:
+    """The model template and the state at step 0: :func:`build_model` on ``cfg.device`` and
+    :func:`build_state`; or where :func:`born_sharded`, a template on ``meta`` and the state
+    from ``ft.distributed.sharded_init`` (this process's fsdp shards, the model never whole).
+
+    **Invariant:** the born state is bitwise ``ft.shard_state(build_state(...), "fsdp")``."""
+    if not born_sharded(cfg, world):
+        model = build_model(cfg).to(cfg.device)
+        return model, build_state(cfg, model, opt)
+    config = model_config(resolve_matmul(cfg))
+    state = ft.distributed.sharded_init(lambda: GPT(config), opt, "fsdp", seed=cfg.seed)
+    with torch.device("meta"):
+        model = GPT(config)  # the template: ft.apply runs its code on the state's params
+    return model, state
 
 
 # -- optimizer --------------------------------------------------------------------------------

@@ -266,3 +266,34 @@ def test_the_gpt_trains_on_chat_data_packed(tmp_path, tiny_run):
     assert 0 < len(said) < batch["target"].numel() // 2
     assert set(bytes(said[said < 256].tolist()).decode()) <= set("pong!<|end>\n")
     assert int(metrics["count"]) == len(said) and torch.isfinite(metrics["loss"])
+
+
+def _born_and_whole_on_this_rank(cfg):
+    from ftrain.distributed import shard_state
+    from ftrain.distributed.dtensor import is_dtensor, local
+
+    def mine(t):
+        return local(t) if is_dtensor(t) else t
+
+    opt = gpt.build_optimizer(cfg)
+    model, born = gpt.build_model_and_state(cfg, opt, world=2)
+    whole = shard_state(gpt.build_state(cfg, gpt.build_model(cfg), opt), "fsdp")
+    same = all(
+        type(a) is type(b) and torch.equal(mine(a), mine(b))
+        for field in ("params", "opt_state")
+        for a, b in zip(
+            ft.tree.leaves(getattr(born, field)), ft.tree.leaves(getattr(whole, field)), strict=True
+        )
+    )
+    return same, all(p.is_meta for p in model.parameters()), int(born.rng) == int(whole.rng)
+
+
+def test_shard_fsdp_builds_the_state_born_sharded():
+    """Under --shard fsdp over 2 processes the recipe's state is born as each process's shards
+    (the template on meta), bitwise the whole state laid out by shard_state; elsewhere whole."""
+    cfg = _config(["--shard", "fsdp", "--seq-len", "16", "--d-model", "32", "--n-layer", "2",
+                   "--n-head", "2", "--seed", "5", "--device", "cpu"])  # fmt: skip
+    assert gpt.born_sharded(cfg, 2) and not gpt.born_sharded(cfg, 1)
+    assert not gpt.born_sharded(_config(["--shard", "zero2"]), 2)
+    ranks = ft.distributed.run_distributed(_born_and_whole_on_this_rank, 2, cfg)
+    assert ranks == [(True, True, True)] * 2
