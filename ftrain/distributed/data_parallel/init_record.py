@@ -68,8 +68,15 @@ _SKIP_META = {
 }
 
 
+# Python functions that set the global generator's state: a build that calls one is refused (the
+# replay seeds the generator once, with sharded_init's seed, and cannot see a reseeding).
+_RESEEDS = {f.__code__: f.__name__ for f in (torch.random.manual_seed, torch.random.seed,
+                                             torch.random.set_rng_state)}  # fmt: skip
+
+
 class InitRefused(ValueError):
-    """An initializer :func:`sharded_init` cannot replay exactly (the message says why)."""
+    """An initializer ``ftrain.distributed.sharded_init`` cannot replay exactly (the message
+    says why)."""
 
 
 @dataclasses.dataclass
@@ -125,6 +132,12 @@ class _Recorder(TorchDispatchMode):
     def called(self, frame, event: str, arg) -> None:
         """A profile hook (``sys.setprofile``): a call of one of :data:`_SKIP_META` on a meta
         tensor is recorded as one op that runs the whole function at replay."""
+        if _reseeds(frame, event, arg):
+            raise InitRefused(
+                "the build sets the global generator's state itself (torch.manual_seed, "
+                "set_rng_state, fork_rng): the replay seeds it once, from seed=, and cannot follow. "
+                "Fix: remove the call and pass its seed as seed=."
+            )
         found = self._skipping.get(frame.f_code) if event == "call" else None
         if found is None:
             return
@@ -203,8 +216,8 @@ class InitRecord:
     def replay(self, keep: Callable[[str, torch.Tensor], torch.Tensor]) -> dict[str, torch.Tensor]:
         """Run the ops on the CPU, one tensor alive at a time; each parameter, once its last op
         has run, goes through ``keep(name, whole)`` (e.g. cut to this rank's rows) and the whole
-        is dropped. Returns name -> what ``keep`` returned, in ``params`` order. Draws from the global CPU generator:
-        seed it first (``sharded_init`` does, scoped)."""
+        is dropped. Returns name -> what ``keep`` returned, in ``params`` order. Draws from the
+        global CPU generator: seed it first (``sharded_init`` does, scoped)."""
         by_key: dict[int, list[str]] = {}
         for name, p in self.params.items():
             by_key.setdefault(_key(p), []).append(name)
@@ -306,6 +319,17 @@ def record_init(model, init: Callable[[str, torch.Tensor], None] | None = None) 
     params = dict(module.named_parameters())
     _check_initialised(recorder.ops, params)
     return InitRecord(recorder.ops, params, recorder.storages)
+
+
+def _reseeds(frame, event: str, arg) -> bool:
+    """Whether this profile event is a call that sets the global CPU generator's state."""
+    if event == "call":
+        return frame.f_code in _RESEEDS
+    return (
+        event == "c_call"
+        and getattr(arg, "__self__", None) is torch.default_generator
+        and getattr(arg, "__name__", "") in ("manual_seed", "seed", "set_state")
+    )
 
 
 @contextlib.contextmanager

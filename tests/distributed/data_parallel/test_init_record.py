@@ -96,6 +96,13 @@ class _OwnGenerator(nn.Module):
         self.w = nn.Parameter(torch.empty(3).normal_(generator=torch.Generator().manual_seed(0)))
 
 
+class _Reseeds(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.w = nn.Linear(2, 2)
+
+
 class _OnCPU(nn.Module):
     def __init__(self):
         super().__init__()
@@ -108,6 +115,7 @@ class _OnCPU(nn.Module):
         (_Blank, "never given a value"),
         (_OwnGenerator, "Generator of its own"),
         (_OnCPU, "not on meta"),
+        (_Reseeds, "sets the global generator's state"),
     ],
 )
 def test_what_cannot_be_replayed_exactly_is_refused(build, words):
