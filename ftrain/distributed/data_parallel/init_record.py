@@ -128,10 +128,17 @@ class _Recorder(TorchDispatchMode):
         self.ops: list[_Op] = []
         self.storages: dict[int, torch.UntypedStorage] = {}  # keeps every key's storage alive
         self._skipping = {fn.__code__: (fn, names) for fn, names in _SKIP_META.items()}
+        self._watched = frozenset(self._skipping) | frozenset(_RESEEDS)
 
     def called(self, frame, event: str, arg) -> None:
-        """A profile hook (``sys.setprofile``): a call of one of :data:`_SKIP_META` on a meta
-        tensor is recorded as one op that runs the whole function at replay."""
+        """A profile hook (``sys.setprofile``, so it runs on every call: the common case
+        returns after one test): a call of one of :data:`_SKIP_META` on a meta tensor is
+        recorded as one op that runs the whole function at replay; a reseeding is refused."""
+        if event == "call":
+            if frame.f_code not in self._watched:
+                return
+        elif event != "c_call" or getattr(arg, "__self__", None) is not torch.default_generator:
+            return
         if _reseeds(frame, event, arg):
             raise InitRefused(
                 "the build sets the global generator's state itself (torch.manual_seed, "
@@ -157,7 +164,14 @@ class _Recorder(TorchDispatchMode):
         self.ops.append(_Op(call, (t,), {}, {_key(t): how}, True, []))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        hook = sys.getprofile()  # off while recording: its Python calls are not the build's
+        sys.setprofile(None)
+        try:
+            return self._record(func, args, kwargs or {})
+        finally:
+            sys.setprofile(hook)
+
+    def _record(self, func, args: tuple, kwargs: dict):
         out = func(*args, **kwargs)
         ins, outs = tensor_leaves((args, kwargs)), tensor_leaves(out)
         seeded = torch.Tag.nondeterministic_seeded in func.tags
@@ -339,11 +353,10 @@ def _seen_calls(hook: Callable) -> Iterator[None]:
     before = sys.getprofile()
 
     def both(frame, event, arg):
-        if before is not None:
-            before(frame, event, arg)
+        before(frame, event, arg)
         hook(frame, event, arg)
 
-    sys.setprofile(both)
+    sys.setprofile(hook if before is None else both)
     try:
         yield
     finally:
