@@ -49,17 +49,18 @@ def sharded_init(
 
     ``model`` is either a builder (``lambda: GPT(config)``, a class: called with no arguments,
     under ``torch.device("meta")``) or an ``nn.Module`` already on the meta device. The params
-    get the values the module's own initializers give (the builder's constructor; for a meta
-    module, the outermost ``reset_parameters`` methods), then, if given, ``init(name, param)``
-    for each parameter in ``named_parameters()`` order (an ``nn.init``-style function that
-    writes ``param`` in place from the global generator). The template for ``ft.apply`` is any
+    get the values the module's own initializers give (a builder: its constructor, then
+    ``init`` if given; a meta module: ``init`` if given, else its outermost
+    ``reset_parameters`` methods). ``init(name, param)`` is called for each parameter in
+    ``named_parameters()`` order: an ``nn.init``-style function that writes ``param`` in place
+    from the global generator. The template for ``ft.apply`` is any
     meta build of the same module: ``with torch.device("meta"): model = GPT(config)``.
 
     **Invariant:** bitwise equal to building whole and sharding, with the same seed::
 
         torch.manual_seed(seed)
-        module = build()              # or: meta_module.to_empty(device="cpu"); reset_parameters
-        # ... init(name, p) for each parameter, if given
+        module = build()  # then init(name, p) for each parameter, if given
+        # (a meta module: module.to_empty(device="cpu"), then init or reset_parameters)
         state = ft.TrainState.create(ft.params_of(module), optimizer, seed=seed)
         ft.shard_state(state, strategy, mesh)
 
