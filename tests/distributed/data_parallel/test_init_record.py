@@ -121,3 +121,16 @@ class _OnCPU(nn.Module):
 def test_what_cannot_be_replayed_exactly_is_refused(build, words):
     with pytest.raises(ValueError, match=words):
         record_init(build)
+
+
+def test_init_runs_after_a_builders_constructor():
+    def init(name, p):
+        nn.init.trunc_normal_(p, std=0.05) if p.dim() > 1 else nn.init.uniform_(p)
+
+    build = BUILDS["gpt"]
+    got = _replayed(record_init(build, init), SEED)
+    torch.manual_seed(SEED)
+    whole = build()
+    for n, p in whole.named_parameters():
+        init(n, p.data)
+    assert [n for n, p in whole.named_parameters() if not torch.equal(got[n], p.detach())] == []
