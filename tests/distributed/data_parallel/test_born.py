@@ -10,7 +10,7 @@ import torch
 
 import ftrain as ft
 from ftrain import tree
-from ftrain.distributed import local_bytes, shard_state, sharded_init
+from ftrain.distributed import STRATEGIES, local_bytes, shard_state, sharded_init
 from ftrain.distributed.dtensor import is_dtensor, local
 from ftrain.models import GPT, GPTConfig
 from ftrain.testing import run_distributed, track_allocations
@@ -73,7 +73,7 @@ def _big():
 
 def _on_each_rank():
     out = {}
-    for strategy in ("fsdp", "zero2"):
+    for strategy in STRATEGIES:
         torch.manual_seed(SEED)
         whole = ft.TrainState.create(ft.params_of(_gpt()), _adamw(), seed=SEED)
         reference = shard_state(whole, strategy)
@@ -104,7 +104,7 @@ def two_rank_results():
     return run_distributed(_on_each_rank, 2)
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", "zero2"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_born_equals_built_whole_then_sharded_bitwise(two_rank_results, strategy):
     for rank in two_rank_results:
         assert rank[strategy] == []
