@@ -309,11 +309,7 @@ class AllocationPeak(LiveBytes):
     built under ``torch.device("meta")``) holds no memory and counts nothing."""
 
     def __init__(self) -> None:
-        super().__init__(fresh_only=True)
-
-    def _count(self, t: torch.Tensor) -> None:
-        if t.device.type != "meta":
-            super()._count(t)
+        super().__init__(fresh_only=True, skip_meta=True)
 
     def alive_bytes(self) -> int:
         """Bytes of the storages allocated inside the block and alive now."""

@@ -126,13 +126,21 @@ class LiveBytes(TorchDispatchMode):
     ``transient(func, args, kwargs)``: bytes an op allocates and frees within itself that a fake
     run does not allocate (a collective backend's own buffer); they count toward the peaks for
     the extent of the op, never toward ``live``.
+
+    ``skip_meta=True`` counts no tensor on the ``meta`` device (a shape without data, e.g. a
+    model template built under ``torch.device("meta")``): measured memory, not planned.
     """
 
     def __init__(
-        self, fresh_only: bool = False, transient: Callable[..., int] | None = None
+        self,
+        fresh_only: bool = False,
+        transient: Callable[..., int] | None = None,
+        *,
+        skip_meta: bool = False,
     ) -> None:
         super().__init__()
         self.fresh_only = fresh_only
+        self.skip_meta = skip_meta
         self.transient = transient
         self.live = 0
         self.peak = 0
@@ -157,6 +165,8 @@ class LiveBytes(TorchDispatchMode):
         return self._peak_since[name]
 
     def _count(self, t: torch.Tensor) -> None:
+        if self.skip_meta and t.device.type == "meta":
+            return
         storage = storage_of(t)
         if storage is None:
             return
