@@ -279,8 +279,10 @@ def build_step(
     Autocast, checkpoint and accumulate act on different phases (the forward's precision, what it
     keeps for backward, how a batch is split), so their order among themselves does not matter.
     Shard wraps the accumulated step so that it reduces the gradients once per optimizer step, not
-    once per micro-batch. Compile compiles every transform of the step wherever it sits; it comes
-    last here only so that the composition reads in the order the step is built.
+    once per micro-batch. Offload comes before shard (and tensor parallel) so that the optimizer
+    it moves to the host is the one each rank runs on its own shards. Compile compiles every
+    transform of the step wherever it sits; it comes last here only so that the composition reads
+    in the order the step is built.
 
     Precision: ``cfg.precision`` resolved for ``cfg.device`` (``auto``: bf16 on a GPU that has
     it, fp32 on the CPU); on a GPU with TF32, fp32 matmuls use it for the step's extent
@@ -299,6 +301,8 @@ def build_step(
         step = ft.checkpoint(step, cfg.checkpoint_policy)
     if cfg.micro_batches > 1:
         step = ft.accumulate(step, cfg.micro_batches)
+    if cfg.offload != "none":  # before shard: each rank's ZeRO/fsdp optimizer offloads its shards
+        step = ft.offload(step, cfg.offload)
     if cfg.tp > 1:  # the matrices over tp processes, the batch (and with zero/fsdp the state)
         mesh = ft.distributed.tp_mesh(cfg.tp)  # over the dp groups
         sp = cfg.sequence_parallel
