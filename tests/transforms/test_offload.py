@@ -68,7 +68,7 @@ def test_offload_composes_with_accumulate_checkpoint_and_autocast():
         assert_trees_close(got, want, 0)
 
 
-def test_offload_under_compile_runs_the_update_outside_the_graph_without_recompiling():
+def test_offload_under_compile_runs_the_update_eagerly_and_does_not_recompile():
     model, step, state = gpt_step()  # SGD with momentum: linear in the gradients
     want, m_want = _train(step, state, steps=2)
     compiled = ft.compile(ft.offload(step, "optimizer+gradients"))
@@ -80,7 +80,11 @@ def test_offload_under_compile_runs_the_update_outside_the_graph_without_recompi
     assert max_rel_error(m_got["loss"], m_want["loss"]) < 1e-5
     for a, b in zip(ft.tree.leaves(got.params), ft.tree.leaves(want.params)):
         assert max_rel_error(a, b) < 1e-5
-    assert "offload" in compiled.explain()
+    # torch's fused kernel ran: a compiled update would be inductor's (ftrain.optim refuses the
+    # fused op while dynamo traces), so the update ran outside the graph
+    with torch.profiler.profile() as prof:
+        compiled(got, batches[0])
+    assert any("_fused_sgd" in e.key for e in prof.key_averages())
 
 
 def test_an_offloaded_state_saves_and_resumes(tmp_path):

@@ -33,7 +33,7 @@ from ftrain.app.config import TrainConfig
 from ftrain.app.recipes import corpus, placement, rows, startup
 from ftrain.distributed.tensor_parallel.plans import plan_for
 from ftrain.models import GPT, GPTConfig, choose_matmul, generate
-from ftrain.transforms import Lora
+from ftrain.transforms import Lora, offloaded
 
 __all__ = [
     "Recipe",
@@ -184,7 +184,10 @@ def build_state(
     cfg: TrainConfig, model: torch.nn.Module, opt: optim.GradientTransformation
 ) -> ft.TrainState:
     """The state at step 0: ``model``'s params and ``opt``'s state, or with ``--lora-rank`` the
-    adapters as the params (the model's own frozen in ``state.extra["lora"]``)."""
+    adapters as the params (the model's own frozen in ``state.extra["lora"]``). With
+    ``--offload`` the optimizer state is created on the host: it never takes device memory."""
+    if cfg.offload != "none":
+        opt = offloaded(opt)
     lora = build_lora(cfg, model)
     if lora is not None:
         return lora.init_state(ft.params_of(model), opt, seed=cfg.seed)
