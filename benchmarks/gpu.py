@@ -18,6 +18,8 @@ Checks (each against a reference computed another way, on the device):
     first loss against the eager step's;
   * ``ft.shard`` ddp / zero2 / fsdp over NCCL (gloo on the CPU), one process per GPU present:
     N ranks on 1/N of the batch against one process on the whole batch;
+  * ``ft.offload`` (both modes) against the step on the device, one AdamW step (1e-6), the
+    state on the host, the device peak with and without;
   * ``ft.save`` on the device -> ``ft.load`` on the CPU -> ``ft.load(like=)`` back, bitwise;
   * ``ft.memory(...).peak`` against ``torch.cuda.max_memory_allocated`` (on the CPU: live bytes);
   * ``ft.data.loader(device=...)`` delivers batches on the device, equal to the CPU loader's.
@@ -155,6 +157,26 @@ def check_transforms(run: Run) -> None:
         finite = all(bool(torch.isfinite(t).all()) for t in st.params.values(True, True))
         run.check(f"autocast {name} vs fp32 loss", f"rel {rel:.1e}" + (", skipped" if skipped else ""),
                   "1e-2, finite, not skipped", rel <= 1e-2 and finite and not skipped)  # fmt: skip
+
+
+def check_offload(run: Run) -> None:
+    """ft.offload: one AdamW step with the state on the host against the same step on the device
+    (different kernels: torch's fused CPU AdamW against its CUDA one), and the device peak."""
+    dims = CHECK_TINY if run.tiny else CHECK
+    _, _, _, step, state, batch = gpt_task(run, dims, 4 if run.tiny else 8)
+    out = {}
+    peak = peak_bytes(run, lambda: out.setdefault("plain", step(state, batch)))
+    for mode in ("optimizer", "optimizer+gradients"):
+        off = ft.offload(step, mode)
+        start = off.init_extra(state)  # the optimizer state copied to (pinned) host memory
+        p = peak_bytes(run, lambda o=off, s=start, m=mode: out.setdefault(m, o(s, batch)))
+        got = out[mode][0]
+        d = max_diff(out["plain"][0].params, got.params)
+        host = all(t.device.type == "cpu" for t in got.opt_state.values(True, True))
+        mib = f"; device peak {p / 2**20:.0f} vs {peak / 2**20:.0f} MiB" if peak else ""
+        run.check(f"offload {mode} vs on the device, 1 AdamW step",
+                  f"max abs diff of params {d:.1e}, state on the host: {host}{mib}",
+                  "1e-6, on the host", d <= 1e-6 and host)  # fmt: skip
 
 
 def check_save_load(run: Run) -> None:
@@ -526,8 +548,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(run.device)
     t0 = time.perf_counter()
     print(f"benchmarks/gpu.py on {machine()}", flush=True)
-    parts = [("transforms", check_transforms), ("save/load", check_save_load),
-             ("loader", check_loader), ("shard", check_shard), ("memory plan", check_memory_plan)]  # fmt: skip
+    parts = [("transforms", check_transforms), ("offload", check_offload),
+             ("save/load", check_save_load), ("loader", check_loader), ("shard", check_shard),
+             ("memory plan", check_memory_plan)]  # fmt: skip
     for name, fn in parts:
         t = time.perf_counter()
         try:

@@ -41,6 +41,7 @@ from ftrain.transforms import (
     ema,
     lora,
     merge_lora,
+    offload,
     shard,
     tensor_parallel,
     vmap,
@@ -98,4 +99,5 @@ __all__ = [
     "FitReport",
     "lora",
     "merge_lora",
+    "offload",
 ]

@@ -33,6 +33,7 @@ PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 CHECKPOINT_POLICIES = ("none", "blocks", "selective")
 SCHEDULES = ("cosine", "constant", "linear", "wsd", "inverse_sqrt")
 SHARD_STRATEGIES = ("none", "ddp", "zero1", "zero2", "fsdp")
+OFFLOAD_MODES = ("none", "optimizer", "optimizer+gradients")  # ftrain.transforms.offload.MODES
 SINK_NAMES = ("jsonl", "tensorboard")  # ftrain.app.sinks.SINKS
 MATMULS = ("auto", "onednn", "torch")  # ftrain.models.MATMULS and "auto"
 DEFAULT_MAX_STEPS = 600  # --max-steps; --epochs replaces it
@@ -91,6 +92,9 @@ class TrainConfig:
     )
     compile: bool = _f(False, "torch.compile the whole step (slow to start on a CPU)")
     shard: str = _f("none", "data parallelism under torchrun", choices=SHARD_STRATEGIES)
+    offload: str = _f(
+        "none", "optimizer state and update on the host CPU (ft.offload)", choices=OFFLOAD_MODES
+    )
     tp: int = _f(
         1,
         "tensor parallel under torchrun: each block's matrices split over TP processes, the batch "
@@ -253,17 +257,11 @@ class TrainConfig:
             raise ValueError(f"--global-batch-size must be >= 1, got {self.global_batch_size}")
         if self.n_experts and not 1 <= self.top_k <= self.n_experts:
             raise ValueError(f"--top-k must be in [1, --n-experts], got {self.top_k}")
-        for name, legal in (
-            ("precision", PRECISIONS),
-            ("checkpoint_policy", CHECKPOINT_POLICIES),
-            ("lr_schedule", SCHEDULES),
-            ("shard", SHARD_STRATEGIES),
-            ("log", SINK_NAMES),
-            ("matmul", MATMULS),
-        ):
-            if getattr(self, name) not in legal:
+        for f in dataclasses.fields(self):  # every setting with a fixed set of values
+            legal = f.metadata.get("choices")
+            if legal is not None and getattr(self, f.name) not in legal:
                 raise ValueError(
-                    f"--{flag_name(name)} must be one of {legal}, got {getattr(self, name)!r}"
+                    f"--{flag_name(f.name)} must be one of {legal}, got {getattr(self, f.name)!r}"
                 )
         self._check_device()
         if self.memory_budget not in (None, "auto"):

@@ -40,6 +40,7 @@ __all__ = [
     "SETS_PRECISION",
     "RECOMPUTES",
     "SPLITS_BATCH",
+    "HOST_OPTIMIZER",
     "SHAREABLE",
     "Rule",
     "RULES",
@@ -70,6 +71,7 @@ SCALES_LOSS = "scales the loss"
 SETS_PRECISION = "sets the forward's precision"
 RECOMPUTES = "recomputes activations in backward"
 SPLITS_BATCH = "splits the batch into micro-batches"  # note: into how many
+HOST_OPTIMIZER = "keeps the optimizer state in host memory"  # note: what else moves there
 
 # declared by several transforms of one step without conflict
 SHAREABLE = frozenset(

@@ -6,6 +6,7 @@ files in test_config.py.
 """
 
 import pytest
+import torch
 
 import ftrain as ft
 from ftrain.app.cli import main, parser
@@ -15,6 +16,7 @@ from ftrain.app.cli import main, parser
     "argv, message",
     [
         (["--precision", "fp8"], "invalid choice: 'fp8'"),
+        (["--offload", "gpu"], "argument --offload: invalid choice: 'gpu'"),
         (["--max-steps", "zero"], "invalid int value"),
         (["--d-model", "30", "--n-head", "4"], "must be divisible by --n-head"),
         (["--optimizer", "adamm"], "--optimizer must be one of"),
@@ -127,3 +129,26 @@ def test_lengths_and_losses_are_in_tokens_or_bytes_by_tokenizer(
     assert main(["train", *tiny_run, "--max-steps", "1", "--out", str(tmp_path / "run")]) == 0
     run_folder.plot_losses([{"step": 1, "loss": 2.0}], tmp_path / "t.png", unit="token")
     assert labels == ["loss (nats per byte)", "loss (nats per token)"]
+
+
+def test_offload_trains_with_the_optimizer_state_on_the_host(tmp_path, tiny_run):
+    """--offload optimizer+gradients: the step is built with ft.offload, 2 steps train, and the
+    state's optimizer tensors (the one the recipe hands the loop and the one saved) are on the
+    CPU; a config file with a bad value is refused by name."""
+    from ftrain.app.config import TrainConfig, from_args
+    from ftrain.app.recipes import gpt
+
+    args = [*tiny_run, "--max-steps", "2", "--offload", "optimizer+gradients"]
+    assert main(["train", *args, "--out", str(tmp_path / "run")]) == 0
+    saved = ft.load(ft.latest_checkpoint(tmp_path / "run"))
+    assert int(saved.step) == 2
+    assert ft.load_meta(ft.latest_checkpoint(tmp_path / "run"))["extra"]["config"]["offload"] == (
+        "optimizer+gradients"
+    )
+    recipe = gpt.build(from_args(parser().parse_args(["train", *args])), quiet=True)
+    assert recipe.step.names[-1] == "offload"
+    for state in (saved, recipe.state):
+        leaves = ft.tree.leaves(state.opt_state)
+        assert leaves and all(t.device == torch.device("cpu") for t in leaves)
+    with pytest.raises(ValueError, match=r"--offload must be one of \('none', 'optimizer'"):
+        TrainConfig(offload="gradients").validate()

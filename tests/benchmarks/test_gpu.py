@@ -26,7 +26,8 @@ def test_gpu_benchmark_dry_run_on_the_cpu(tmp_path):
     assert "## Other\n\nkept" in text and "## GPU\n" in text
     section = text.split("## GPU\n", 1)[1]
     for check in ("accumulate(4) vs whole batch", "checkpoint selective vs plain",
-                  "autocast fp16 vs fp32", "shard fsdp over gloo, 2 process(es)",
+                  "autocast fp16 vs fp32", "offload optimizer+gradients vs on the device",
+                  "shard fsdp over gloo, 2 process(es)",
                   "load back (like=)", "data.loader(device='cpu')", "ft.memory peak, bf16 + blocks",
                   "ftrain's first loss vs the PyTorch loop's"):  # fmt: skip
         row = next(line for line in section.splitlines() if check in line)

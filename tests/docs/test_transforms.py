@@ -288,6 +288,7 @@ def _alone() -> dict[str, ft.Step]:
         "lora": lora(plain),
         "dp_sgd": ft.dp_sgd(plain, 1.0, 1.0),
         "vmap": ft.vmap(plain),
+        "offload": ft.offload(plain, "optimizer+gradients"),
     }
 
 

@@ -33,7 +33,7 @@ from ftrain.app.config import TrainConfig
 from ftrain.app.recipes import corpus, placement, rows, startup
 from ftrain.distributed.tensor_parallel.plans import plan_for
 from ftrain.models import GPT, GPTConfig, choose_matmul, generate
-from ftrain.transforms import Lora
+from ftrain.transforms import Lora, offloaded
 
 __all__ = [
     "Recipe",
@@ -186,7 +186,10 @@ def build_state(
     cfg: TrainConfig, model: torch.nn.Module, opt: optim.GradientTransformation
 ) -> ft.TrainState:
     """The state at step 0: ``model``'s params and ``opt``'s state, or with ``--lora-rank`` the
-    adapters as the params (the model's own frozen in ``state.extra["lora"]``)."""
+    adapters as the params (the model's own frozen in ``state.extra["lora"]``). With
+    ``--offload`` the optimizer state is created on the host: it never takes device memory."""
+    if cfg.offload != "none":
+        opt = offloaded(opt)
     lora = build_lora(cfg, model)
     if lora is not None:
         return lora.init_state(ft.params_of(model), opt, seed=cfg.seed)
@@ -306,8 +309,10 @@ def build_step(
     Autocast, checkpoint and accumulate act on different phases (the forward's precision, what it
     keeps for backward, how a batch is split), so their order among themselves does not matter.
     Shard wraps the accumulated step so that it reduces the gradients once per optimizer step, not
-    once per micro-batch. Compile compiles every transform of the step wherever it sits; it comes
-    last here only so that the composition reads in the order the step is built.
+    once per micro-batch. Offload comes before shard (and tensor parallel) so that the optimizer
+    it moves to the host is the one each rank runs on its own shards. Compile compiles every
+    transform of the step wherever it sits; it comes last here only so that the composition reads
+    in the order the step is built.
 
     Precision: ``cfg.precision`` resolved for ``cfg.device`` (``auto``: bf16 on a GPU that has
     it, fp32 on the CPU); on a GPU with TF32, fp32 matmuls use it for the step's extent
@@ -326,6 +331,8 @@ def build_step(
         step = ft.checkpoint(step, cfg.checkpoint_policy)
     if cfg.micro_batches > 1:
         step = ft.accumulate(step, cfg.micro_batches)
+    if cfg.offload != "none":  # before shard: each rank's ZeRO/fsdp optimizer offloads its shards
+        step = ft.offload(step, cfg.offload)
     if cfg.tp > 1:  # the matrices over tp processes, the batch (and with zero/fsdp the state)
         mesh = ft.distributed.tp_mesh(cfg.tp)  # over the dp groups
         sp = cfg.sequence_parallel

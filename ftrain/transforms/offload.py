@@ -1,0 +1,192 @@
+"""Optimizer state in host memory, the update on the CPU (ZeRO-Offload), the params on the device.
+
+**Rule:** the step is the same step; only where the optimizer's bytes live and where its update
+runs change. The optimizer state moves to the host (pinned memory where the params are on a CUDA
+device); each update copies the gradients and the params to the host, runs the optimizer there
+(torch's fused CPU kernel for ``adamw``/``adam``/``sgd``: ``ftrain.optim``'s ``fused=None``
+picks it for host tensors) and copies the new params back to the device before the next forward.
+
+Hooks (``ft.Transform``; ``step.explain()`` shows them):
+
+* ``optimizer``: the optimizer run on host copies (:func:`offloaded`). Under ``ft.shard`` it is
+  the innermost optimizer, so each rank's ZeRO/fsdp optimizer hands it that rank's shards: each
+  rank offloads its own shards.
+* ``init``: moves a state's optimizer tensors to the host (a state from
+  ``ft.TrainState.create``, ``ft.load`` or ``ft.shard_state``); a state already there is kept.
+* ``gradients`` (``"optimizer+gradients"``): copies the gradients to the host as soon as the
+  step holds its final ones, right after the reduction across processes (so NCCL always reduces
+  device tensors) and before the other ``gradients`` hooks and the update, which then read them
+  on the host.
+
+**Under ft.compile** the offloaded update runs outside the compiled graph
+(``torch.compiler.disable``: a graph break before it and after it): inductor would otherwise trace
+the chain instead of torch's fused CPU kernel and put host work into a device graph. Forward,
+backward and the reduction stay compiled.
+
+**What is left for a GPU** (on a machine without one the host is the device: every copy below is a
+no-op, the same code runs, and the result is bitwise that of the step without offload):
+gradients are copied after the whole backward, not per block while backward still runs (that
+needs an engine that hands each block's gradients over as autograd produces them, reduced per
+block first under ``ft.shard``); the copies are synchronous device-to-host and asynchronous
+host-to-device from pageable buffers (persistent pinned transfer buffers would overlap both);
+the params are copied to the host each step rather than kept there as a master copy; and fp16
+loss scaling's skip flag (a device tensor) has not been run against host state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ftrain import tree
+from ftrain.optim.base import GradientTransformation, LeafContext, leaf_apply, leaf_update, leafwise
+from ftrain.state import TrainState
+from ftrain.step import Gradients, Step, Transform
+from ftrain.step.capabilities import HOST_OPTIMIZER
+
+__all__ = ["Offload", "offload", "offloaded"]
+
+HOST = torch.device("cpu")
+MODES = ("optimizer", "optimizer+gradients")
+
+Leaves = list[torch.Tensor]
+
+
+def _to_host(ts: Leaves, pin: bool = False) -> Leaves:
+    """``ts`` on the host: the same tensors where they are there already (no copy), else copies
+    (pinned when ``pin``: a device-to-host copy synchronizes, so the host may read them)."""
+    out = []
+    for t in ts:
+        if t.device == HOST:
+            out.append(t)
+        else:
+            h = t.to(HOST)
+            out.append(h.pin_memory() if pin else h)
+    return out
+
+
+def _back(host: Leaves, like: Leaves, inplace: bool) -> Leaves:
+    """``host`` tensors on the devices of ``like``: written into ``like`` when ``inplace`` (a
+    donated step), else new tensors. A tensor that is already where it belongs is returned."""
+    out = []
+    for h, d in zip(host, like):
+        if h.device == d.device:
+            if inplace and h is not d:
+                d.copy_(h)
+                h = d
+            out.append(h)
+        elif inplace:
+            out.append(d.copy_(h, non_blocking=True))
+        else:
+            out.append(h.to(d.device, non_blocking=True))
+    return out
+
+
+def offloaded(inner: GradientTransformation) -> GradientTransformation:
+    """``inner`` with its state on the host and its update run there.
+
+    ``init`` creates the state on the host (pinned where the params are on a CUDA device).
+    ``update`` copies the gradients and params to the host, runs ``inner`` there and returns the
+    updates on the gradients' devices; the step's apply (``params + updates``, or ``inner``'s
+    fused kernel writing the params) runs on host copies of the params and writes the new ones
+    back. Both run outside ``torch.compile``'s graph.
+
+    **Invariant:** the same updates, state values and new params as ``inner`` (the same kernels
+    on the same values: bitwise where the host runs the kernel the device would run); the state
+    stays on the host.
+    """
+    inner_update, inner_apply = leaf_update(inner), leaf_apply(inner)
+
+    def init(params):
+        leaves = tree.leaves(params)
+        pin = any(t.device.type == "cuda" for t in leaves)
+        state = inner.init(tree.unflatten(params, _to_host(leaves)))
+        return tree.unflatten(state, _to_host(tree.leaves(state), pin))
+
+    @torch.compiler.disable
+    def update(u: Leaves, s: Leaves, p: Leaves | None, ctx: LeafContext):
+        hu = _to_host(u)
+        owned = ctx.owned or any(a is not b for a, b in zip(hu, u))  # copies are ours
+        hp = None if p is None else _to_host(p)
+        new_u, new_s = inner_update(hu, _to_host(s), hp, ctx._replace(owned=owned))
+        return _back(new_u, u, False), new_s
+
+    @torch.compiler.disable
+    def apply(g: Leaves, s: Leaves, p: Leaves, ctx: LeafContext):
+        hg, hp = _to_host(g), _to_host(p)
+        owned = ctx.owned or any(a is not b for a, b in zip(hg, g))
+        # host copies of the params may be overwritten; the params themselves only when donated
+        new_hp, new_s = inner_apply(hg, _to_host(s), hp, ctx._replace(owned=owned))
+        return _back(new_hp, p, ctx.inplace), new_s
+
+    return leafwise(init, update, apply)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Offload(Transform):
+    """The optimizer state on the host and the update run there (see :func:`offload`)."""
+
+    mode: str = "optimizer"
+
+    name = "offload"
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(
+                f"ft.offload(step, mode={self.mode!r}): unknown mode; legal modes are "
+                f"{', '.join(repr(m) for m in MODES)} (the optimizer state and update on the "
+                "host; with '+gradients' the gradients copied there as soon as they are final)."
+            )
+
+    def capabilities(self):
+        return {HOST_OPTIMIZER: self.mode}  # exclusive: offloading twice means nothing more
+
+    def optimizer(self, optimizer: GradientTransformation) -> GradientTransformation:
+        return offloaded(optimizer)
+
+    def init(self, state: TrainState) -> TrainState:
+        leaves = tree.leaves(state.opt_state)
+        if all(t.device == HOST for t in leaves):
+            return state
+        pin = any(t.device.type == "cuda" for t in tree.leaves(state.params))
+        return state.replace(opt_state=tree.unflatten(state.opt_state, _to_host(leaves, pin)))
+
+    def gradients(self, g: Gradients, state: TrainState) -> Gradients:
+        if self.mode != "optimizer+gradients":
+            return g
+        return g._replace(grads=_grads_to_host(g.grads))
+
+
+@torch.compiler.disable
+def _grads_to_host(grads):
+    return tree.unflatten(grads, _to_host(tree.leaves(grads)))
+
+
+def offload(step: Step, mode: str = "optimizer") -> Step:
+    """The optimizer state in host memory and the optimizer update run on the CPU, while the
+    params (and the forward and backward) stay on the device (ZeRO-Offload).
+
+    Args:
+        step: an ``ft.Step``. ``accumulate``, ``checkpoint``, ``autocast`` and ``compile`` compose
+            in any order (the update runs outside the compiled graph). With ``ft.shard``, apply
+            offload first, ``ft.shard(ft.offload(step), strategy)``, so that each rank's ZeRO or
+            fsdp optimizer hands it that rank's shards (on a GPU the other order would give host
+            tensors to NCCL).
+        mode: ``"optimizer"`` (the state, and the update's work, on the host; the gradients are
+            copied there by the update) or ``"optimizer+gradients"`` (also the gradients copied to
+            the host right after the reduction across processes, before the ``gradients`` hooks).
+
+    What moves where, per step: the gradients and the params device-to-host, the new params
+    host-to-device (3x the params' bytes over PCIe); the optimizer state (2x the params' bytes
+    for AdamW) never leaves the host. The state is moved to the host by the ``init`` hook on the
+    first call (pinned where the params are on a CUDA device) and saves and resumes like any
+    state: ``ft.load`` gives it back on the host. See docs/memory.md for when it pays.
+
+    **Invariant:** equals ``step`` without offload (fp32: params, optimizer state and metrics to
+    1e-6; bitwise where the host runs the kernels the device would, as on a machine without a
+    GPU, where the host is the device).
+
+    Raises at build time: an unknown ``mode``; offload applied twice.
+    """
+    return Offload(mode)(step)
