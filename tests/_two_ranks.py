@@ -120,6 +120,7 @@ DONATED = ("adamw", "adafactor, donated")  # in place, as the CLI runs them
 PREFETCH_CONFIGS = {
     "plain": lambda s: s,
     "checkpoint": ft.checkpoint,  # the recompute's gathers prefetched in backward
+    "selective": lambda s: ft.checkpoint(s, "selective"),  # its blocks' gathers stay blocking
     "accumulate": lambda s: ft.accumulate(s, 2),  # two backwards per step
     "composed": lambda s: composed(s, 2),
     "fp16": lambda s: ft.autocast(s, torch.float16),  # Partial gradients: reduced after backward

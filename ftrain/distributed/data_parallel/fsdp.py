@@ -34,7 +34,10 @@ runs during the next block's backward and is waited when that block's gradients 
 all of them before ``torch.autograd.grad`` returns. The same collectives on the same buffers: the
 same bits as without prefetch. The cost: the whole params of two blocks at a time instead of one.
 A shard gathered twice in one forward (a block run twice) has its gradient reduced at once
-(autograd adds its two gradients as soon as the second exists).
+(autograd adds its two gradients as soon as the second exists). Inside the blocks of
+``ft.checkpoint(step, "selective")`` the gathers block (torch's selective checkpointing demands
+the same ops in a block's forward and its recompute); the root's early gather of the first block
+is then dropped unused.
 """
 
 from __future__ import annotations
@@ -220,10 +223,14 @@ class _Session:
         if not shards:
             yield
             return
-        gathered = _Gathered(self, shards, self._take_ahead(slots, shards))
+        # in a selective checkpoint's region a gather must be the same ops in forward and in
+        # recompute: blocking, with nothing started early
+        early = self.prefetch and not overlap.recording_for_recompute()
+        ahead = self._take_ahead(slots, shards) if early else self._drop_ahead()
+        gathered = _Gathered(self, shards, ahead)
         whole = _GatherFn.apply(gathered, *shards)
         grad = torch.is_grad_enabled()
-        if self.prefetch:  # the next block's gather runs while this one computes
+        if early:  # the next block's gather runs while this one computes
             self._start(after if self.forwarding else before if grad else None)
         keys = []
         if grad:  # saved for backward: packed as a reference (see pack)
@@ -271,8 +278,13 @@ class _Session:
         self.ahead = None
         if want is slots and len(got) == len(shards) and all(a is b for a, b in zip(got, shards)):
             return pending
-        pending.wait()
+        pending.discard()
         return None
+
+    def _drop_ahead(self) -> None:
+        if self.ahead is not None:
+            self.ahead[2].discard()
+            self.ahead = None
 
     def regather_next(self, g: _Gathered) -> None:
         """After ``g`` regathered in backward: start the regather backward needs next (the

@@ -10,9 +10,11 @@ A collective in flight owns its buffers: nothing may read a result before :meth:
 returns. Under ``FakeTensorMode`` (``ft.memory``'s plan) torch's meta kernels answer at once with
 a ``FakeWork``, so the plan counts the same buffers, alive as long as here.
 
-``at_backward_end`` is the one use of a private torch API here (the autograd engine's final
-callback, as FSDP uses it): a reduce-scatter issued in backward is waited before
-``torch.autograd.grad`` returns its gradients.
+The private torch APIs fsdp's prefetch needs live here: :func:`at_backward_end` (the autograd
+engine's final callback, as FSDP uses it: a reduce-scatter issued in backward is waited before
+``torch.autograd.grad`` returns its gradients) and :func:`recording_for_recompute` (selective
+activation checkpointing's dispatch modes, which demand that a recompute run the ops its forward
+ran, in the same numbers: a gather started in one block and finished in the next would not).
 """
 
 from __future__ import annotations
@@ -46,6 +48,12 @@ class Pending:
             self.result = self.finish()
             self.works, self.finish, self.keep, self.buffers = [], None, (), ()
         return self.result
+
+    def discard(self) -> None:
+        """Let the collectives finish and drop their results (a prefetch nobody will use)."""
+        for work in self.works:
+            work.wait()
+        self.works, self.finish, self.keep, self.buffers = [], None, (), ()
 
 
 def _rows_on(ts: Sequence[torch.Tensor], mesh) -> bool:
@@ -136,3 +144,19 @@ def at_backward_end(fn: Callable[[], None]) -> None:
     """Run ``fn`` when the backward running now ends, before ``torch.autograd.grad`` (or
     ``backward``) returns. Call it only from inside a backward function."""
     torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+def recording_for_recompute() -> bool:
+    """Whether the code running now is inside a region of ``torch.utils.checkpoint`` with a
+    selective policy (its forward, or its recompute): there every op is recorded and must recur
+    when the region is recomputed, so nothing may be started here for another region."""
+    from torch.utils import _python_dispatch
+    from torch.utils import checkpoint as torch_checkpoint
+
+    kinds = tuple(
+        getattr(torch_checkpoint, name)
+        for name in ("_CachingTorchDispatchMode", "_CachedTorchDispatchMode")
+        if hasattr(torch_checkpoint, name)
+    )
+    stack = getattr(_python_dispatch, "_get_current_dispatch_mode_stack", lambda: [])()
+    return any(isinstance(mode, kinds) for mode in stack)
