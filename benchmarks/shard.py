@@ -254,8 +254,9 @@ def report_prefetch(results: list[dict], setup: str) -> str:
         "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name in wall:
-        off = name.replace("prefetch=True", "prefetch=False")
-        base = off if off in wall else "fsdp, prefetch=False"
+        # each against itself with prefetch off; torch FSDP2 against ftrain's fsdp with it off
+        base = name.replace("prefetch=True", "prefetch=False")
+        base = base if "prefetch=" in name else "fsdp, prefetch=False"
         peak = f"{peaks[name] / (1 << 20):.2f}" if name in peaks else ""
         lines.append(
             f"| {name} | {peak} | {wall[name] * 1e3:.0f} | {wall[name] / wall[base]:.2f} "
