@@ -25,19 +25,7 @@ So the parameter memory of a process is its shard plus about one block at a time
 (:func:`track_gathered` measures it).
 
 **Prefetch** (``ft.shard(step, "fsdp", prefetch=True)``, the session's ``prefetch``): the
-collectives start one group early and run while the current block computes
-(``ftrain.distributed.data_parallel.overlap``). In forward, a block's gather starts the next
-block's (the root's starts the first block's); in backward, a group's regather starts the one
-backward needs next (the latest-gathered group still waiting for its backward), and a block
-recomputed under ``ft.checkpoint`` starts the previous block's gather; a block's reduce-scatter
-runs during the next block's backward and is waited when that block's gradients are reduced, and
-all of them before ``torch.autograd.grad`` returns. The same collectives on the same buffers: the
-same bits as without prefetch. The cost: the whole params of two blocks at a time instead of one.
-A shard gathered twice in one forward (a block run twice) has its gradient reduced at once
-(autograd adds its two gradients as soon as the second exists). Inside the blocks of
-``ft.checkpoint(step, "selective")`` the gathers block (torch's selective checkpointing demands
-the same ops in a block's forward and its recompute); the root's early gather of the first block
-is then dropped unused.
+collectives start one group early; ``ftrain.distributed.data_parallel.overlap`` says when.
 """
 
 from __future__ import annotations
@@ -110,8 +98,9 @@ def track_gathered() -> Iterator[Tracker]:
 class _Gathered:
     """One gather of one group of parameters (a block, or the model's other params)."""
 
-    def __init__(self, session: _Session, shards: list[torch.Tensor], ahead=None):
+    def __init__(self, session: _Session, shards: list[torch.Tensor], ahead=None, box=None):
         self.session = session  # captured: backward may run on a thread that sees no scope
+        self.box: overlap.Box | None = box  # its handoff's (prefetch): for its reduce-scatter
         self.mesh = session.mesh
         self.plan = session.plan  # the engine's plan for this micro-batch's backward
         self.trackers = session.trackers
@@ -162,7 +151,7 @@ class _GatherFn(torch.autograd.Function):
         ]
         if g.plan is not None and g.plan.reweight:  # reduced by the step, after reweighting
             return (None, *(dp_split.unreduced(x, s, g.mesh) for x, s in zip(grads, g.shards)))
-        if g.session.prefetch and not g.session.gathered_twice(g):
+        if g.box is not None and not g.session.gathered_twice(g):
             return (None, *g.session.reduce_scatter_ahead(grads, g))
         return (None, *dp_split.reduce_scatter(grads, g.shards, g.mesh))
 
@@ -193,6 +182,7 @@ class _Session:
         self.forwarding = 0  # > 0 inside a micro-batch's forward (saved_as_shards' extent)
         self.order: list[_Gathered] = []  # this micro-batch's differentiable gathers, in order
         self.uses: dict[int, int] = {}  # id(shard) -> its gathers in this micro-batch's forward
+        self.handed: dict[int, tuple[torch.Tensor, overlap.Box]] = {}  # id(shard) -> its handoff
         self.known: dict[int, list] = {}  # id(slots) -> the shards its forward gathered (for a
         # recompute in backward, when the tables hold the template's own tensors again)
         self.ahead: tuple[list, list, overlap.Pending] | None = None  # (slots, shards, gather)
@@ -212,10 +202,11 @@ class _Session:
         return current, order, shards
 
     @contextlib.contextmanager
-    def gathered(self, slots, after=None, before=None) -> Iterator[None]:
+    def gathered(self, slots, after=None, before=None, blocks=()) -> Iterator[None]:
         """The parameters at ``slots`` (``ftrain.internals.module_tables.param_slots``) whole for
         the extent of the block. ``after``/``before``: the slots of the block that runs next in
-        forward, and in a recompute during backward (prefetched)."""
+        forward, and in a recompute during backward (prefetched); ``blocks``: the root's, every
+        block's slots (their handoffs are made here)."""
         plan = backward_plan()
         if plan is not None:  # in an engine's forward: read its decision during backward
             self.plan = plan
@@ -227,17 +218,20 @@ class _Session:
         # recompute: blocking, with nothing started early
         early = self.prefetch and not overlap.recording_for_recompute()
         ahead = self._take_ahead(slots, shards) if early else self._drop_ahead()
-        gathered = _Gathered(self, shards, ahead)
-        whole = _GatherFn.apply(gathered, *shards)
+        inputs, box = self._handed(shards) if early and self.forwarding else (shards, None)
+        gathered = _Gathered(self, inputs, ahead, box)
+        whole = _GatherFn.apply(gathered, *inputs)
         grad = torch.is_grad_enabled()
         if early:  # the next block's gather runs while this one computes
+            if grad and self.forwarding and blocks:
+                self._hand_off(blocks)
             self._start(after if self.forwarding else before if grad else None)
         keys = []
         if grad:  # saved for backward: packed as a reference (see pack)
             if self.forwarding:
                 self.order.append(gathered)
                 self.known[id(slots)] = shards
-                for t in shards:
+                for t in inputs:
                     self.uses[id(t)] = self.uses.get(id(t), 0) + 1
             for i, w in enumerate(whole):
                 key = _storage_key(w)
@@ -281,14 +275,32 @@ class _Session:
         pending.discard()
         return None
 
+    def _hand_off(self, blocks) -> None:
+        """Each block's shards through a :class:`overlap.Handoff` of its own (made now: before any
+        block's nodes)."""
+        for slots in blocks:
+            shards = [t for t in self.shards_at(slots)[2] if t.requires_grad]
+            if shards and not any(id(t) in self.handed for t in shards):
+                box = overlap.Box()
+                for t, out in zip(shards, overlap.Handoff.apply(box, *shards)):
+                    self.handed[id(t)] = (out, box)
+
+    def _handed(self, shards: list) -> tuple[list, overlap.Box | None]:
+        """``shards`` with those that went through one block's handoff replaced by its outputs,
+        and that handoff's box; or ``shards`` and None (their reduce-scatter will block)."""
+        hits = [self.handed.get(id(t)) for t in shards]
+        boxes = {id(h[1]): h[1] for h in hits if h is not None}
+        if len(boxes) != 1 or any(h is None and t.requires_grad for h, t in zip(hits, shards)):
+            return shards, None
+        return [t if h is None else h[0] for h, t in zip(hits, shards)], next(iter(boxes.values()))
+
     def _drop_ahead(self) -> None:
         if self.ahead is not None:
             self.ahead[2].discard()
             self.ahead = None
 
     def regather_next(self, g: _Gathered) -> None:
-        """After ``g`` regathered in backward: start the regather backward needs next (the
-        latest-gathered group still waiting for its backward)."""
+        """After ``g`` regathered: start the latest-gathered one still waiting for backward."""
         if not self.prefetch:
             return
         for h in reversed(self.order):
@@ -306,6 +318,7 @@ class _Session:
         backward, whichever comes first)."""
         out, pending = overlap.reduce_scatter_ahead(grads, g.shards, g.mesh)
         self.in_flight.append(pending)
+        g.box.pending = pending
         if not self.callback:
             self.callback = True
             overlap.at_backward_end(self._backward_ended)
@@ -322,19 +335,17 @@ class _Session:
 
     def start_forward(self) -> None:
         if self.forwarding == 0:  # a new micro-batch: the last one's backward has run
-            self.order, self.uses, self.known = [], {}, {}
+            self.order, self.uses, self.known, self.handed = [], {}, {}, {}
         self.forwarding += 1
 
     def close(self) -> None:
         """Finish every collective still in flight (a guess never used, a forward whose
         backward never ran): none outlives the step."""
         self.finish_reductions()
-        if self.ahead is not None:
-            self.ahead[2].wait()
-            self.ahead = None
+        self._drop_ahead()
         for g in self.order:
             if g.ahead is not None:
-                g.ahead.wait()
+                g.ahead.discard()
                 g.ahead = None
 
     # -- saved-tensor hooks -------------------------------------------------------------------
@@ -403,15 +414,17 @@ def saved_as_shards(mesh, prefetch: bool = False) -> Iterator[None]:
             s.forwarding -= 1
 
 
-def _gathering(session: _Session, slots: list[tuple[dict, str]], after=None, before=None):
+def _gathering(
+    session: _Session, slots: list[tuple[dict, str]], after=None, before=None, blocks=()
+):
     """The forward maker of :func:`ftrain.internals.blocks.replace_forwards`: run the module with
     the parameters at ``slots`` gathered, in ``session`` (captured: a checkpointed block recomputed
     on an autograd worker thread gathers in the same session). ``after``/``before``: the slots of
-    the blocks next to it, for the session's prefetch."""
+    the blocks next to it, for the session's prefetch; ``blocks``: the root's, every block's."""
 
     def make(current: nn.Module):
         def forward(*args, **kwargs):
-            with session.gathered(slots, after, before):
+            with session.gathered(slots, after, before, blocks):
                 return current(*args, **kwargs)
 
         return forward
@@ -433,4 +446,5 @@ def gathering_copy(module: nn.Module, session: _Session) -> nn.Module:
         for i, (b, s) in enumerate(zip(blocks, slots))
     ]
     first = near[1]  # the root's gather starts the first block's
-    return replace_forwards(module, [*replacements, (module, _gathering(session, root, first))])
+    everything = _gathering(session, root, first, blocks=slots)
+    return replace_forwards(module, [*replacements, (module, everything)])

@@ -6,6 +6,20 @@ same way, one collective per dtype), only with ``async_op=True``: the results ar
 and the caller's compute runs while the backend moves them. Groups these cannot start early (a
 tensor-parallel layout, 0-d tensors) run the blocking functions at once, so every group works.
 
+**When** (fsdp's session with ``prefetch``). In forward, a block's gather starts the next
+block's (the root's starts the first block's); in backward, a group's regather starts the one
+backward needs next (the latest-gathered group still waiting for its backward), and a block
+recomputed under ``ft.checkpoint`` starts the previous block's gather; a block's reduce-scatter
+runs during the next block's backward and is waited when that block's is started, by the block's
+:class:`Handoff` before any node reads the sums, and before ``torch.autograd.grad`` returns (the
+root's, the params outside the blocks, blocks: it ends the backward). The same collectives on the same buffers: the
+same bits as without prefetch. The cost: the whole params of two blocks at a time instead of one.
+A shard gathered twice in one forward (a block run twice) has its gradient reduced at once
+(autograd adds its two gradients as soon as the second exists). Inside the blocks of
+``ft.checkpoint(step, "selective")`` the gathers and reduce-scatters block (torch's selective checkpointing demands
+the same ops in a block's forward and its recompute); the root's early gather of the first block
+is then dropped unused.
+
 A collective in flight owns its buffers: nothing may read a result before :meth:`Pending.wait`
 returns. Under ``FakeTensorMode`` (``ft.memory``'s plan) torch's meta kernels answer at once with
 a ``FakeWork``, so the plan counts the same buffers, alive as long as here.
@@ -28,7 +42,15 @@ from ftrain.distributed.collectives import Layout, by_dtype, layout
 from ftrain.distributed.data_parallel import dp_split
 from ftrain.distributed.dtensor import dtensor, from_local, is_dtensor, local
 
-__all__ = ["Pending", "gather_ahead", "reduce_scatter_ahead", "at_backward_end"]
+__all__ = [
+    "Pending",
+    "Box",
+    "Handoff",
+    "gather_ahead",
+    "reduce_scatter_ahead",
+    "at_backward_end",
+    "recording_for_recompute",
+]
 
 
 class Pending:
@@ -54,6 +76,35 @@ class Pending:
         for work in self.works:
             work.wait()
         self.works, self.finish, self.keep, self.buffers = [], None, (), ()
+
+
+class Box:
+    """The reduce-scatter of one block's gradients, from its ``fsdp's gather`` to its ``_Handoff``."""
+
+    __slots__ = ("pending",)
+
+    def __init__(self) -> None:
+        self.pending: Pending | None = None
+
+
+class Handoff(torch.autograd.Function):
+    """Identity on a block's shards, applied when the root gathers, before any block runs. Its
+    backward waits for the block's reduce-scatter, so no node reads the gradient shards before
+    the sums are in them (autograd adds them into a leaf's other gradients, or a transform
+    differentiates through the shards: ``ft.lora``'s merged weights). Autograd runs the nodes
+    made later first, so this one runs after the earlier blocks' backward: the overlap."""
+
+    @staticmethod
+    def forward(ctx, box: Box, *shards):
+        ctx.box = box
+        return tuple(t.view_as(t) for t in shards)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        if ctx.box.pending is not None:
+            ctx.box.pending.wait()
+            ctx.box.pending = None
+        return (None, *grads)
 
 
 def _rows_on(ts: Sequence[torch.Tensor], mesh) -> bool:
