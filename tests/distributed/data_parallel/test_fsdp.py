@@ -43,13 +43,14 @@ def test_fsdp_holds_the_shard_plus_one_block(two_ranks, name):
 @pytest.mark.parametrize("name", ["fsdp", "fsdp+checkpoint"])
 def test_prefetch_holds_one_block_more(two_ranks, name):
     """With prefetch, the next block's gather buffer is alive while a block computes: more than
-    one block (so the gathers did start early), never more than the rest plus a block plus one
-    flat buffer of a block."""
+    one block (so the gathers did start early), and about one flat buffer of a block more than
+    without (two at most: gloo's worker thread may let go of a finished gather's buffer a moment
+    after it is waited)."""
     block, rest, total, flat = _sizes(gpt(n_layer=4))
     for r in two_ranks:
         peak, _ = r["peak", name, True]
-        assert rest + block < peak <= rest + block + flat, (peak, rest, block, flat)
-        assert rest + block + flat < total  # the bound means something: 4 blocks, 2 gathered
+        assert rest + block < peak <= rest + block + 2 * flat, (peak, rest, block, flat)
+        assert rest + block + 2 * flat < total  # the bound means something: 4 blocks
 
 
 @pytest.mark.parametrize("name", list(PREFETCH_CONFIGS))
