@@ -21,11 +21,9 @@ as ``ftrain.distributed.data_parallel.dp_split`` says; a gather then gives this 
 piece (what the tensor-parallel forward computes with), and its gradient is reduce-scattered back
 over ``dp``.
 
-So the parameter memory of a process is its shard plus about one block at a time
-(:func:`track_gathered` measures it).
-
-**Prefetch** (``ft.shard(step, "fsdp", prefetch=True)``, the session's ``prefetch``): the
-collectives start one group early; ``ftrain.distributed.data_parallel.overlap`` says when.
+So the parameter memory of a process is its shard plus about one block at a time, two with
+**prefetch** (``ft.shard(step, "fsdp", prefetch=True)``: the collectives start one group early,
+as ``ftrain.distributed.data_parallel.overlap`` says); :func:`track_gathered` measures it.
 """
 
 from __future__ import annotations
