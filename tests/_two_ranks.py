@@ -116,6 +116,16 @@ CONFIGS = {
 }
 DONATED = ("adamw", "adafactor, donated")  # in place, as the CLI runs them
 
+# fsdp with and without prefetch (section 2b): each changes when and in what order it gathers
+PREFETCH_CONFIGS = {
+    "plain": lambda s: s,
+    "checkpoint": ft.checkpoint,  # the recompute's gathers prefetched in backward
+    "selective": lambda s: ft.checkpoint(s, "selective"),  # its blocks' gathers stay blocking
+    "accumulate": lambda s: ft.accumulate(s, 2),  # two backwards per step
+    "composed": lambda s: composed(s, 2),
+    "fp16": lambda s: ft.autocast(s, torch.float16),  # Partial gradients: reduced after backward
+}
+
 # ft.dp_sgd under shard: the noise's bound and multiplier (clipped examples and noise both matter)
 DP_CLIP, DP_NOISE = 0.05, 1.0
 
@@ -190,15 +200,31 @@ def on_two_ranks(tmp: str) -> dict:
                 "plain_metrics": all(type(v) is torch.Tensor for v in metrics.values()),
             }
 
-    # 2. fsdp holds whole params one block at a time (4 blocks), with and without checkpoint
+    # 2. fsdp holds whole params one block at a time (4 blocks), with and without checkpoint;
+    # with prefetch (the default) the next block's gather buffer too
     for name, transform in (("fsdp", lambda s: s), ("fsdp+checkpoint", ft.checkpoint)):
-        model = gpt(n_layer=4)
-        step = shard(transform(ft.train_step(lm_loss(model), sgd())), "fsdp")
-        state = shard_state(ft.TrainState.create(ft.params_of(model), sgd()), "fsdp")
-        state, _ = step(state, rows_of(data[0], rank))  # warm up
-        with track_gathered() as t:
-            state, _ = step(state, rows_of(data[1], rank))
-        out["peak", name] = (t.peak, t.gathers)
+        for prefetch in (False, True):
+            model = gpt(n_layer=4)
+            step = shard(transform(ft.train_step(lm_loss(model), sgd())), "fsdp", prefetch=prefetch)
+            state = shard_state(ft.TrainState.create(ft.params_of(model), sgd()), "fsdp")
+            state, _ = step(state, rows_of(data[0], rank))  # warm up
+            with track_gathered() as t:
+                state, _ = step(state, rows_of(data[1], rank))
+            out["peak", name, prefetch] = (t.peak, t.gathers)
+
+    # 2b. fsdp's prefetch (async collectives started one block early) against the blocking
+    # gathers: the same bits, composed with what changes the order of its collectives
+    for name, transform in PREFETCH_CONFIGS.items():
+        runs = []
+        for prefetch in (False, True):
+            model = gpt(n_layer=3)
+            step = shard(
+                transform(ft.train_step(lm_loss(model), adamw())), "fsdp", prefetch=prefetch
+            )
+            state = step.init_extra(ft.TrainState.create(ft.params_of(model), adamw()))
+            state, metrics = run(step, shard_state(state, "fsdp"), data, rank)
+            runs.append({**whole(unshard_state(state)), "loss": metrics["loss"].clone()})
+        out["prefetch", name] = runs
 
     # 3. save (whole, from rank 0) after 2 steps, load on every rank, 1 more step
     for name, strategy in RESUMED:

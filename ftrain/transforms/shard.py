@@ -82,11 +82,17 @@ class Shard(Transform):
 
     strategy: str = "ddp"
     mesh: Any = None
+    prefetch: bool = True
 
     name = "shard"
 
     def __post_init__(self) -> None:
         check_strategy(self.strategy, "shard")
+        if not isinstance(self.prefetch, bool):
+            raise TypeError(
+                f"ft.shard(step, {self.strategy!r}, prefetch=...): prefetch must be True or "
+                f"False, got {self.prefetch!r}."
+            )
         require_group("shard")
         object.__setattr__(self, "mesh", check_mesh(self.mesh, "shard"))
 
@@ -125,7 +131,7 @@ class Shard(Transform):
             rng.reseed(rng.step_seed(state, self.mesh.get_local_rank() + 1), _device(state))
             if self.strategy != "fsdp":
                 return fn(state, batch)
-            with fsdp.session(self.mesh):
+            with fsdp.session(self.mesh, self.prefetch):
                 return fn(state, batch)
 
         return data_parallel
@@ -136,7 +142,7 @@ class Shard(Transform):
         gathered = rewritten(fn, self, "ft.shard(step, 'fsdp')")
 
         def fsdp_call(params, batch, state):
-            with fsdp.saved_as_shards(self.mesh):
+            with fsdp.saved_as_shards(self.mesh, self.prefetch):
                 return gathered(params, batch, state)
 
         return fsdp_call
@@ -201,7 +207,7 @@ def _device(state: TrainState) -> torch.device:
     return tree.first_leaf(state.params).device
 
 
-def shard(step: Step, strategy: str = "ddp", mesh: Any = None) -> Step:
+def shard(step: Step, strategy: str = "ddp", mesh: Any = None, *, prefetch: bool = True) -> Step:
     """Data parallelism across the processes of ``mesh`` (default: all of them).
 
     Every process calls the step with its own share of the global batch and a state laid out by
@@ -215,6 +221,13 @@ def shard(step: Step, strategy: str = "ddp", mesh: Any = None) -> Step:
         strategy: ``"ddp"``, ``"zero1"``, ``"zero2"`` or ``"fsdp"``.
         mesh: a 1-D ``DeviceMesh``; default ``ft.distributed.default_mesh()``. Under
             ``ft.tensor_parallel``: ``mesh["dp"]`` of its mesh.
+        prefetch: ``fsdp`` only (the others gather nothing): start each block's all-gather
+            while the block before it computes, and in backward the next regather and each
+            block's reduce-scatter while the next block's backward runs (async collectives;
+            ``ftrain.distributed.data_parallel.fsdp``). The same bits either way; the cost is
+            one more block's whole params alive at a time, which ``ft.memory`` counts. On by
+            default, as FSDP2 prefetches: on a GPU the collectives run beside the compute; on
+            gloo/CPU they share the cores with it (benchmarks/RESULTS.md: the measured ratio).
 
     **Invariant:** N processes each given 1/N of the batch (any split, any padding) give the same
     state as one process given the whole batch: fp32, 1e-5 relative after several steps, for every
@@ -226,4 +239,4 @@ def shard(step: Step, strategy: str = "ddp", mesh: Any = None) -> Step:
     shard after ``ft.compile`` (and ``fsdp`` with ``ft.compile`` in either order). At the first
     call: a state that ``ft.shard_state`` did not lay out for ``strategy``.
     """
-    return Shard(strategy, mesh)(step)
+    return Shard(strategy, mesh, prefetch)(step)

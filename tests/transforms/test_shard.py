@@ -120,6 +120,13 @@ def test_unknown_strategy_lists_the_legal_ones():
         shard(step, "zero3")
 
 
+def test_prefetch_must_be_a_bool():
+    """Refused when the step is built (before the process group is looked for)."""
+    step = ft.train_step(lm_loss(gpt()), sgd())
+    with pytest.raises(TypeError, match=r"prefetch must be True or False, got 'yes'"):
+        shard(step, "fsdp", prefetch="yes")
+
+
 def test_a_state_not_laid_out_for_the_strategy_is_refused(two_ranks):
     for r in two_ranks:
         assert "ft.shard_state(state, 'fsdp')" in r["errors"]["unsharded state"]
