@@ -210,3 +210,12 @@ def test_gpt2_xl_with_adamw_fits_24_gib_of_cuda_only_with_offload():
     assert on_device.peak > 16 * n and offloaded.peak > 8 * n
     # the device's peak falls in backward, so offload saves exactly the state it moves
     assert on_device.peak - offloaded.peak == pytest.approx(8 * n, rel=1e-3)
+
+
+def test_a_bad_device_is_refused_with_the_legal_forms():
+    step, state, batch = composed("small", 1, "none", "fp32", "adamw")
+    with pytest.raises(ValueError, match=r"ft.memory\(device='gpu0'\).*'cuda'"):
+        ft.memory(step, state, batch, device="gpu0")
+    if not torch.cuda.is_available():  # the meta stand-in has no autocast: refused, with the fix
+        with pytest.raises(ValueError, match="plan the step in fp32"):
+            ft.memory(ft.autocast(step, torch.bfloat16), state, batch, device="cuda")
