@@ -21,7 +21,8 @@ Checks (each against a reference computed another way, on the device):
   * ``ft.offload`` (both modes) against the step on the device, one AdamW step (1e-6), the
     state on the host, the device peak with and without;
   * ``ft.save`` on the device -> ``ft.load`` on the CPU -> ``ft.load(like=)`` back, bitwise;
-  * ``ft.memory(...).peak`` against ``torch.cuda.max_memory_allocated`` (on the CPU: live bytes);
+  * ``ft.memory(...).peak`` against ``torch.cuda.max_memory_allocated`` (on the CPU: live bytes),
+    ``ft.offload`` included (the device's peak: its host bytes are not the allocator's);
   * ``ft.data.loader(device=...)`` delivers batches on the device, equal to the CPU loader's.
 
 Bench (nanoGPT bench.py's setting: 12 layers, 768 wide, block 1024, vocab 50304, batch 12, bf16
@@ -208,6 +209,8 @@ def check_memory_plan(run: Run) -> None:
         "accumulate(4)": lambda s: ft.accumulate(s, 4),
         "accumulate(4) + selective + bf16": lambda s: ft.accumulate(
             ft.checkpoint(ft.autocast(s, torch.bfloat16), "selective"), 4),
+        # the device's peak alone: the optimizer state on the host (not in max_memory_allocated)
+        "offload optimizer": lambda s: ft.offload(s),
     }  # fmt: skip
     for name, compose in compositions.items():
         if run.device.type == "cuda":

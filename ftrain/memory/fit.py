@@ -17,6 +17,7 @@ from ftrain.step import Step
 from ftrain.transforms.accumulate import Accumulate
 from ftrain.transforms.autocast import Autocast
 from ftrain.transforms.compile import Compile
+from ftrain.transforms.offload import Offload
 from ftrain.transforms.recompute import POLICIES, Checkpoint
 from ftrain.transforms.shard import Shard
 
@@ -41,15 +42,25 @@ def fit(
     policies: tuple[str, ...] = ("none", "selective", "blocks"),
     precisions: tuple[str, ...] = ("fp32", "bf16"),
     strategies: tuple[str, ...] | None = None,
+    offloads: tuple[str, ...] = ("none", "optimizer"),
+    device: str | torch.device | None = None,
 ) -> tuple[Step, FitReport]:
     """The composition of ``step`` that fits ``budget`` bytes per rank and is predicted fastest.
 
     Searched: micro-batches (``ft.accumulate``; powers of two up to the batch's rows) x activation
     checkpointing (``policies``) x precision (``"fp32"``, ``"bf16"`` autocast) x, when
     ``torch.distributed`` is initialized, the shard strategy (``ddp``, ``zero1``, ``zero2``,
-    ``fsdp``). Each is planned with :func:`ftrain.memory` (fake tensors, nothing is run). The
+    ``fsdp``). Each is planned with :func:`ftrain.memory` (fake tensors, nothing is run) on
+    ``device`` (default: the state's; ``"cuda"`` plans a GPU step from a CPU or meta state). The
     step's other transforms (yours, ``ft.ema``, ``ft.compile``) are kept; ``accumulate``,
-    ``checkpoint``, ``autocast`` and ``shard`` are replaced by the chosen ones.
+    ``checkpoint``, ``autocast``, ``shard`` and ``offload`` are replaced by the chosen ones.
+
+    **Offload** (``offloads``, in order): ``"optimizer"`` (``ft.offload``: the optimizer state
+    and the update on the host) is considered only when no composition of the step without it
+    fits: it moves the state off the device (the budget counts the device's peak; the host's
+    is shown beside it) but adds PCIe copies and a CPU update that the FLOPs model does not
+    price, so a composition on the device is always preferred. On a CPU plan offload moves
+    nothing (the host is the device), so it is not considered there.
 
     **Throughput model.** Predicted step time = the step's FLOPs measured on the fake run
     (recompute included: ``"blocks"`` adds a forward of the blocks' matmuls, ``"selective"``
@@ -75,33 +86,54 @@ def fit(
     shard = next((t for t in step.transforms if isinstance(t, Shard)), None)
     if strategies is None:
         strategies = STRATEGIES if (shard is not None or is_initialized()) else (None,)
+    bad = [o for o in offloads if o not in ("none", "optimizer")]
+    if bad or not offloads:
+        raise ValueError(f"ft.fit(offloads={offloads!r}): use 'none' and/or 'optimizer'.")
     counts = micro_batches or _powers_of_two(batch_rows(batch))
-    device = _device(state)
+    kind = _device(state) if device is None else torch.device(device).type
     own = _precision(step)
+    if kind == "cuda" and not torch.cuda.is_available() and set(precisions) != {"fp32"}:
+        raise ValueError(
+            f"ft.fit(precisions={precisions!r}, device={device!r}): without a GPU a CUDA step "
+            "is planned on the meta device, where torch.autocast does not run; pass "
+            "precisions=('fp32',) or plan on a machine with a GPU."
+        )
+    if kind == "cpu" and "none" in offloads:
+        offloads = ("none",)  # the host is the device: offload moves no byte
 
-    def build(k: int, policy: str, precision: str, strategy: str | None) -> Step:
-        return _compose(step, k, policy, precision, strategy, shard)
+    def build(k: int, policy: str, precision: str, strategy: str | None, off: str) -> Step:
+        return _compose(step, k, policy, precision, strategy, shard, off)
 
     planned: list[tuple[Candidate, MemoryReport]] = []
-    for strategy in strategies:
-        for precision in precisions:
-            for policy in policies:
-                for k in counts:
-                    report = memory(build(k, policy, precision, strategy), state, batch)
-                    speed = BF16_SPEEDUP.get(device, 1.0) if precision != "fp32" else 1.0
-                    time = report.flops / speed * (1 + OVERHEAD * (k - 1))
-                    fits = report.peak <= budget
-                    planned.append(
-                        (Candidate(k, policy, precision, strategy, report.peak, time, fits), report)
-                    )
-                    if fits:
-                        break  # more micro-batches than the fewest that fit only cost time
+    for off in offloads:
+        if any(c.fits for c, _ in planned):
+            break  # offload only when nothing without it fits
+        for strategy in strategies:
+            for precision in precisions:
+                for policy in policies:
+                    for k in counts:
+                        composed = build(k, policy, precision, strategy, off)
+                        report = memory(composed, state, batch, device=device)
+                        speed = BF16_SPEEDUP.get(kind, 1.0) if precision != "fp32" else 1.0
+                        time = report.flops / speed * (1 + OVERHEAD * (k - 1))
+                        fits = report.peak <= budget
+                        c = Candidate(k, policy, precision, strategy, report.peak, time, fits)
+                        c = dataclasses.replace(c, offload=off, host_peak=report.host_peak)
+                        planned.append((c, report))
+                        if fits:
+                            break  # more micro-batches than the fewest that fit cost time
     fastest = min(c.time for c, _ in planned) or 1.0
     planned = [(dataclasses.replace(c, time=c.time / fastest), r) for c, r in planned]
 
     def rank(item):
         c = item[0]
-        return (round(c.time, 6), c.micro_batches, _RECOMPUTE[c.policy], c.precision != own)
+        return (
+            c.offload != "none",
+            round(c.time, 6),
+            c.micro_batches,
+            _RECOMPUTE[c.policy],
+            c.precision != own,
+        )
 
     planned.sort(key=rank)
     candidates = tuple(c for c, _ in planned)
@@ -112,7 +144,8 @@ def fit(
             f"ft.fit: no composition fits the budget of {format_bytes(budget)} per rank; the "
             f"smallest predicted peak is {format_bytes(smallest.peak)} ({smallest.label}). Fix: a "
             "larger budget, a smaller batch, an optimizer with less state (adafactor, "
-            "adamw8bit), or more processes with ft.shard(step, 'zero2'/'fsdp')."
+            "adamw8bit), more processes with ft.shard(step, 'zero2'/'fsdp'), or (on a GPU) "
+            "offloads=('none', 'optimizer')."
         )
     chosen, report = fitting[0]
     faster = [c for c in candidates[: candidates.index(chosen)] if not c.fits]
@@ -127,7 +160,9 @@ def fit(
         )
         + "."
     )
-    new = build(chosen.micro_batches, chosen.policy, chosen.precision, chosen.strategy)
+    new = build(
+        chosen.micro_batches, chosen.policy, chosen.precision, chosen.strategy, chosen.offload
+    )
     return new, FitReport(budget, chosen, candidates, report, reason)
 
 
@@ -154,16 +189,25 @@ def _precision(step: Step) -> str:
 
 
 def _compose(
-    step: Step, k: int, policy: str, precision: str, strategy: str | None, shard: Shard | None
+    step: Step,
+    k: int,
+    policy: str,
+    precision: str,
+    strategy: str | None,
+    shard: Shard | None,
+    offload: str = "none",
 ) -> Step:
-    """``step`` with accumulate, checkpoint, autocast and shard replaced: the others (yours
-    included) innermost, as applied; then autocast, checkpoint, accumulate, shard, compile (the
-    recipe's order, ``ftrain.app.recipes.gpt.build_step``)."""
-    replaced = (Accumulate, Checkpoint, Autocast, Shard, Compile)
+    """``step`` with accumulate, checkpoint, autocast, shard and offload replaced: the others
+    (yours included) innermost, as applied; then offload (inside shard, so each rank offloads
+    its own shards), autocast, checkpoint, accumulate, shard, compile (the recipe's order,
+    ``ftrain.app.recipes.gpt.build_step``)."""
+    replaced = (Accumulate, Checkpoint, Autocast, Shard, Compile, Offload)
     old_ckpt = next((t for t in step.transforms if isinstance(t, Checkpoint)), None)
     old_auto = next((t for t in step.transforms if isinstance(t, Autocast)), None)
     compile_ = next((t for t in step.transforms if isinstance(t, Compile)), None)
     ts = [t for t in step.transforms if not isinstance(t, replaced)]
+    if offload != "none":
+        ts.append(Offload(offload))
     if precision != "fp32":
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
         same = old_auto is not None and old_auto.dtype is dtype

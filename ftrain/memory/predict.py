@@ -38,7 +38,7 @@ from ftrain.memory.tracker import (
 )
 from ftrain.state import TrainState
 from ftrain.step import Gradients, Step, Transform
-from ftrain.step.capabilities import COMPILES, DATA_PARALLEL, GATHERS_PARAMS
+from ftrain.step.capabilities import COMPILES, DATA_PARALLEL, GATHERS_PARAMS, SETS_PRECISION
 
 __all__ = ["memory", "planned_step", "fake_like"]
 
@@ -48,8 +48,8 @@ class _Trace:
 
     def __init__(self, live: LiveBytes) -> None:
         self.live = live
-        self.activations: list[int] = []
-        self.gradients = 0
+        self.activations: list[tuple[int, int]] = []  # (device, host) bytes per micro-batch
+        self.gradients = (0, 0)  # (device, host)
         self.before_update = 0  # peak of forward and backward
 
 
@@ -65,15 +65,16 @@ class _Probe(Transform):
         trace = self.trace
 
         def measured(params, batch, state):
-            start = trace.live.live
+            live = trace.live
+            start, host = live.live, live.host_live
             out = fn(params, batch, state)
-            trace.activations.append(trace.live.live - start)
+            trace.activations.append((live.live - start, live.host_live - host))
             return out
 
         return measured
 
     def gradients(self, g: Gradients, state: TrainState) -> Gradients:
-        self.trace.gradients = _bytes(tree.leaves(g.grads))
+        self.trace.gradients = _bytes(tree.leaves(g.grads), self.trace.live.host)
         self.trace.before_update = self.trace.live.peak
         self.trace.live.mark("update")
         return g
@@ -93,8 +94,27 @@ def planned_step(step: Step) -> tuple[Step, Transform | None]:
     return dataclasses.replace(step, transforms=kept), shard
 
 
-def memory(step: Step, state: TrainState | TensorDictBase, batch: Any) -> MemoryReport:
+def memory(
+    step: Step,
+    state: TrainState | TensorDictBase,
+    batch: Any,
+    *,
+    device: str | torch.device | None = None,
+) -> MemoryReport:
     """Predict the bytes per rank that ``step(state, batch)`` needs, without running it.
+
+    **Where the bytes live.** ``device`` (default: the device of ``state``'s params; ``meta``
+    counts as the CPU) is where the params, the optimizer state and the batch are planned, e.g.
+    ``device="cuda"`` to plan a GPU step from a CPU or ``meta`` state. Off the CPU, bytes on the
+    host (``ft.offload``'s optimizer state and update) are counted apart from the device's: the
+    report's ``host_*`` fields, and ``peak`` is the device's. On this torch build without CUDA
+    (2.13 CPU) fake ``"cuda"`` tensors can be made, but autograd over them aborts the process
+    ("PyTorch is not linked with support for cuda devices", from the autograd engine's device
+    guard), so without a GPU the ``meta`` device stands in for it: same shapes, dtypes and
+    storages, the same ops; the report still says ``"cuda"``. What the stand-in cannot plan:
+    ``ft.autocast`` (``torch.autocast`` has no ``meta`` device: refused, plan fp32), and
+    attention runs SDPA's math path (the ``(T, T)`` scores saved, where CUDA's flash kernel
+    saves none: an over-estimate of attention's activations).
 
     ``state`` and ``batch`` may be real, fake (``FakeTensorMode``) or on the ``meta`` device: a
     model too big for this machine is planned from ``with torch.device("meta"): model = ...``.
@@ -121,18 +141,35 @@ def memory(step: Step, state: TrainState | TensorDictBase, batch: Any) -> Memory
     (``tests/memory/test_predict.py``, ``tests/memory/test_fake_fsdp.py``).
     """
     plain, shard = planned_step(step)
+    kind, placed = _planned_device(state, device)
+    if placed is not None and placed.type == "meta":
+        autocast = [t.name for t in plain.transforms if SETS_PRECISION in t.capabilities()]
+        if autocast:
+            raise ValueError(
+                f"ft.memory(device={device!r}): {autocast[0]} cannot be planned without a GPU "
+                "(the meta device stands in for CUDA and torch.autocast has none); plan the "
+                "step in fp32 (ft.fit: precisions=('fp32',)) or on a machine with a GPU."
+            )
     mode = fake_mode()
     layout, transient = None, None
     if shard is not None and shard.strategy == "fsdp":  # the sharded step itself, on fake shards
+        if device is not None:
+            raise ValueError(
+                "ft.memory(device=...): an fsdp step is planned on its state's own device; "
+                "leave device out (or plan the step without ft.shard on that device)."
+            )
         state = fake_fsdp_state(state, plain, shard.mesh, mode)
         transient = backend_transient(shard.mesh)
     else:
         if shard is not None:
             layout = ShardLayout(shard.strategy, shard.mesh.size(), shard.mesh.get_local_rank())
             plain = layout(plain)
-        state = _fake_state(state, plain, mode, layout)
-    batch = _fake_batch(batch, mode)
-    live = LiveBytes(transient=transient)
+        state = _fake_state(state, plain, mode, layout, placed)
+        with mode:  # the state as the step holds it (ft.offload's optimizer state on the host)
+            state = plain.init_extra(state)
+    batch = _fake_batch(batch, mode, placed)
+    host = None if kind == "cpu" else HOST
+    live = LiveBytes(transient=transient, host=host)
     trace = _Trace(live)
     probed = _Probe(trace)(plain)
     live.hold((tree.leaves(state.params), tree.leaves(state.opt_state), tree.leaves(state.extra)))
@@ -140,46 +177,80 @@ def memory(step: Step, state: TrainState | TensorDictBase, batch: Any) -> Memory
     with mode, live:
         out = probed(state, batch)
     del out
-    params = _bytes(tree.leaves(state.params))
-    optimizer = _bytes(tree.leaves(state.opt_state))
-    update = live.since("update") - live.marks["update"]
+    params = _bytes(tree.leaves(state.params), host)
+    optimizer = _bytes(tree.leaves(state.opt_state), host)
+    activations = max(trace.activations, default=(0, 0))
     return MemoryReport(
-        params=params,
-        gradients=trace.gradients,
-        optimizer=optimizer,
-        activations=max(trace.activations, default=0),
-        update=update,
-        batch=_bytes(tensor_leaves(batch)),
+        params=params[0],
+        gradients=trace.gradients[0],
+        optimizer=optimizer[0],
+        activations=activations[0],
+        update=live.since("update") - live.marks["update"],
+        batch=_bytes(tensor_leaves(batch), host)[0],
         peak=live.peak,
         peak_phase="update" if live.since("update") > trace.before_update else "forward/backward",
         micro_batches=len(trace.activations),
         flops=live.flops,
         transforms=step.names,
         world_size=shard.mesh.size() if shard is not None else 1,
+        device=kind,
+        host_params=params[1],
+        host_gradients=trace.gradients[1],
+        host_optimizer=optimizer[1],
+        host_activations=activations[1],
+        host_update=live.host_since("update") - live.host_marks["update"],
+        host_peak=live.host_peak,
     )
 
 
-def _bytes(tensors: list[torch.Tensor]) -> int:
-    """Bytes of the distinct storages holding ``tensors`` (a DTensor: its local shard)."""
-    seen: dict[int, int] = {}
+HOST = torch.device("cpu")
+
+
+def _planned_device(state: Any, device: Any) -> tuple[str, torch.device | None]:
+    """(the device type the report names, the device fake tensors are made on: None keeps each
+    tensor's own, ``meta`` stands for CUDA on a machine without it)."""
+    if device is None:
+        params = getattr(state, "params", state)
+        first = tree.first_leaf(params) if isinstance(params, TensorDictBase) else None
+        kind = "cpu" if first is None or first.is_meta else first.device.type
+        return kind, None
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(
+            f"ft.memory(device={device!r}): not a device ({e}); use 'cuda', 'cpu' or a "
+            "torch.device."
+        ) from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return "cuda", torch.device("meta")  # autograd over fake CUDA aborts on a CPU build
+    return device.type, device
+
+
+def _bytes(tensors: list[torch.Tensor], host: torch.device | None = None) -> tuple[int, int]:
+    """Bytes of the distinct storages holding ``tensors`` (a DTensor: its local shard), as
+    (on the device, on ``host``); all on the device when ``host`` is None."""
+    seen: dict[int, tuple[int, bool]] = {}
     for t in tensors:
         s = storage_of(t)
         if s is not None:
-            seen[id(s)] = s.nbytes()
-    return sum(seen.values())
+            seen[id(s)] = (s.nbytes(), host is not None and t.device.type == host.type)
+    on_host = sum(n for n, h in seen.values() if h)
+    return sum(n for n, _ in seen.values()) - on_host, on_host
 
 
-def _fake_state(state: Any, step: Step, mode, layout: ShardLayout | None) -> TrainState:
+def _fake_state(
+    state: Any, step: Step, mode, layout: ShardLayout | None, device: torch.device | None
+) -> TrainState:
     """``state`` in fake tensors, params whole. The optimizer state as given, or under a ZeRO
     ``layout`` the optimizer's ``init`` of this rank's rows (its shapes, as ft.shard_state makes
     them); from params alone, the optimizer's ``init`` (the counters it makes stay real)."""
     if isinstance(state, TensorDictBase) and not isinstance(state, TrainState):
-        state = TrainState.create(fake_tree(state, mode), step.optimizer)
+        state = TrainState.create(fake_tree(state, mode, device), step.optimizer)
     elif isinstance(state, TrainState):
         state = state.replace(
-            params=fake_tree(state.params, mode),
-            opt_state=fake_tree(state.opt_state, mode),
-            extra=fake_tree(state.extra, mode),
+            params=fake_tree(state.params, mode, device),
+            opt_state=fake_tree(state.opt_state, mode, device),
+            extra=fake_tree(state.extra, mode, device),
             step=fake_like(state.step, mode),
             rng=fake_like(state.rng, mode),
         )
@@ -202,18 +273,18 @@ def local_rows(t: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
     return t.narrow(0, start, length)
 
 
-def _fake_batch(batch: Any, mode, seen: dict[int, torch.Tensor] | None = None) -> Any:
-    """``batch`` in fake tensors; a tensor that appears twice (``{"input": x, "target": x}``)
-    is one fake, counted once as the real batch is."""
+def _fake_batch(batch: Any, mode, device=None, seen: dict[int, torch.Tensor] | None = None) -> Any:
+    """``batch`` in fake tensors (on ``device``, default each tensor's own); a tensor that
+    appears twice (``{"input": x, "target": x}``) is one fake, counted once as the real batch is."""
     seen = {} if seen is None else seen
     if isinstance(batch, torch.Tensor):
         if id(batch) not in seen:
-            seen[id(batch)] = fake_like(batch, mode)
+            seen[id(batch)] = fake_like(batch, mode, device)
         return seen[id(batch)]
     if isinstance(batch, dict):
-        return {k: _fake_batch(v, mode, seen) for k, v in batch.items()}
+        return {k: _fake_batch(v, mode, device, seen) for k, v in batch.items()}
     if isinstance(batch, (list, tuple)):
-        return type(batch)(_fake_batch(v, mode, seen) for v in batch)
+        return type(batch)(_fake_batch(v, mode, device, seen) for v in batch)
     if isinstance(batch, TensorDictBase):
-        return fake_tree(batch, mode)
+        return fake_tree(batch, mode, device)
     return batch

@@ -76,10 +76,10 @@ def fake_like(t: torch.Tensor, mode, device: torch.device | None = None) -> torc
         return torch.empty(tuple(t.shape), dtype=t.dtype, device=device)
 
 
-def fake_tree(td: TensorDictBase, mode) -> TensorDictBase:
-    """``td`` with every leaf replaced by :func:`fake_like` of it."""
+def fake_tree(td: TensorDictBase, mode, device: torch.device | None = None) -> TensorDictBase:
+    """``td`` with every leaf replaced by :func:`fake_like` of it (on ``device``, if given)."""
     values, tdef = tree.flatten(td)
-    return tdef.unflatten([fake_like(t, mode) for t in values])
+    return tdef.unflatten([fake_like(t, mode, device) for t in values])
 
 
 def tensor_leaves(tree: Any) -> list[torch.Tensor]:
@@ -129,6 +129,12 @@ class LiveBytes(TorchDispatchMode):
 
     ``skip_meta=True`` counts no tensor on the ``meta`` device (a shape without data, e.g. a
     model template built under ``torch.device("meta")``): measured memory, not planned.
+
+    ``host=torch.device("cpu")`` counts the storages of tensors on that device apart, in
+    ``host_live``, ``host_peak``, ``host_marks`` and :meth:`host_since` (``ft.memory`` of a step
+    whose params are on an accelerator: the host's bytes are not the device's); ``live``,
+    ``peak``, ``marks`` and :meth:`since` then count every other device. Without it (default)
+    every storage is counted in ``live``.
     """
 
     def __init__(
@@ -137,6 +143,7 @@ class LiveBytes(TorchDispatchMode):
         transient: Callable[..., int] | None = None,
         *,
         skip_meta: bool = False,
+        host: torch.device | None = None,
     ) -> None:
         super().__init__()
         self.fresh_only = fresh_only
@@ -147,6 +154,11 @@ class LiveBytes(TorchDispatchMode):
         self.flops = 0
         self.marks: dict[str, int] = {}
         self._peak_since: dict[str, int] = {}
+        self.host = None if host is None else torch.device(host)
+        self.host_live = 0
+        self.host_peak = 0
+        self.host_marks: dict[str, int] = {}
+        self._host_peak_since: dict[str, int] = {}
         self._refs: dict[int, weakref.ref] = {}
 
     def hold(self, tensors: Any) -> None:
@@ -156,13 +168,20 @@ class LiveBytes(TorchDispatchMode):
 
     def mark(self, name: str) -> int:
         """Record the live bytes now under ``name`` (and start its peak); returns them."""
-        self.marks[name] = self.live
-        self._peak_since[name] = self.live
+        self.marks[name] = self._peak_since[name] = self.live
+        self.host_marks[name] = self._host_peak_since[name] = self.host_live
         return self.live
 
     def since(self, name: str) -> int:
         """The peak of live bytes since :meth:`mark` ``(name)``."""
         return self._peak_since[name]
+
+    def host_since(self, name: str) -> int:
+        """The peak of the host's live bytes since :meth:`mark` ``(name)`` (0 without ``host``)."""
+        return self._host_peak_since[name]
+
+    def _on_host(self, t: torch.Tensor) -> bool:
+        return self.host is not None and t.device.type == self.host.type
 
     def _count(self, t: torch.Tensor) -> None:
         if self.skip_meta and t.device.type == "meta":
@@ -175,9 +194,14 @@ class LiveBytes(TorchDispatchMode):
         if ref is not None and ref() is storage:
             return
         n = storage.nbytes()
-        self._refs[key] = weakref.ref(storage, self._freed(key, n))
-        self.live += n
-        self._reach(self.live)
+        host = self._on_host(t)
+        self._refs[key] = weakref.ref(storage, self._freed(key, n, host))
+        if host:
+            self.host_live += n
+            self._reach_host(self.host_live)
+        else:
+            self.live += n
+            self._reach(self.live)
 
     def _reach(self, level: int) -> None:
         """Raise the peaks to ``level`` bytes (alive now, or for the extent of one op)."""
@@ -187,11 +211,19 @@ class LiveBytes(TorchDispatchMode):
             if level > p:
                 self._peak_since[name] = level
 
-    def _freed(self, key: int, n: int) -> Callable[[weakref.ref], None]:
+    def _reach_host(self, level: int) -> None:
+        self.host_peak = max(self.host_peak, level)
+        for name, p in self._host_peak_since.items():
+            self._host_peak_since[name] = max(p, level)
+
+    def _freed(self, key: int, n: int, host: bool) -> Callable[[weakref.ref], None]:
         def gone(ref: weakref.ref) -> None:
             if self._refs.get(key) is ref:
                 del self._refs[key]
-            self.live -= n
+            if host:
+                self.host_live -= n
+            else:
+                self.live -= n
 
         return gone
 

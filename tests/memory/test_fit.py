@@ -74,3 +74,26 @@ def test_nothing_fits_names_the_smallest_peak_and_the_budget():
         ft.fit(step, state, batch, "four gigs")
     with pytest.raises(ValueError, match="legal policies"):
         ft.fit(step, state, batch, "1GiB", policies=("all",))
+
+
+def test_offload_is_reached_only_when_nothing_on_the_device_fits():
+    step, state, batch = setup(rows=4)
+    plain = ft.memory(step, state, batch, device="cuda")
+    moved = ft.memory(ft.offload(step), state, batch, device="cuda")
+    assert moved.peak < plain.peak
+    # a budget between the offloaded step's device peak and the smallest plan on the device
+    budget = moved.peak + 1
+    kept = dict(micro_batches=(1,), policies=("none",), precisions=("fp32",), device="cuda")
+    new, report = ft.fit(step, state, batch, budget, **kept)
+    assert report.chosen.offload == "optimizer" and report.memory.host_optimizer > 0
+    assert [c.offload for c in report.candidates] == ["none", "optimizer"]
+    assert "offload=optimizer" in str(report) and "host peak" in str(report)
+    assert "offload" in new.names
+    # a roomy budget never plans offload; on a CPU plan it is not considered at all
+    _, roomy = ft.fit(step, state, batch, plain.peak, **kept)
+    assert {c.offload for c in roomy.candidates} == {"none"}
+    with pytest.raises(MemoryError):
+        ft.fit(step, state, batch, budget, micro_batches=(1,), policies=("none",))
+    if not torch.cuda.is_available():  # bf16 cannot run on the meta stand-in: refused up front
+        with pytest.raises(ValueError, match="precisions=\\('fp32',\\)"):
+            ft.fit(step, state, batch, budget, device="cuda")

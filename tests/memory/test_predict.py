@@ -161,3 +161,61 @@ def test_sharded_peak_within_10_percent_on_each_rank(memory_ranks, config):
     for out in memory_ranks:
         predicted, measured = out["sharded"][config]
         assert abs(predicted / measured - 1) < 0.10, (config, predicted, measured)
+
+
+# -- where the bytes live: device and host apart (device="cuda" plans on fake tensors) --------
+def test_offload_moves_the_optimizer_state_to_the_host_and_nothing_else():
+    step, state, batch = composed("small", 1, "none", "fp32", "adamw")
+    n = ft.param_count(state.params)
+    cpu = ft.memory(step, state, batch)
+    assert not cpu.host_apart and cpu.host_peak == 0 and "host == device" in str(cpu)
+    # on a CPU plan the host is the device: offload changes no byte
+    moved_cpu = ft.memory(ft.offload(step), state, batch)
+    assert (moved_cpu.peak, moved_cpu.optimizer) == (cpu.peak, cpu.optimizer)
+    plain = ft.memory(step, state, batch, device="cuda")
+    moved = ft.memory(ft.offload(step), state, batch, device="cuda")
+    small = 1024  # the step's counters (<= 8 elements each) stay real, on the host
+    assert plain.params == moved.params == 4 * n and plain.host_params == moved.host_params == 0
+    assert abs(plain.optimizer - 8 * n) < small and plain.host_optimizer < small
+    assert moved.optimizer == 0 and abs(moved.host_optimizer - 8 * n) < small
+    assert plain.state + plain.host_state == moved.state + moved.host_state
+    assert moved.host_peak >= moved.host_optimizer + moved.host_update > plain.host_peak
+    assert "cuda" in str(moved) and "host" in str(moved)
+    # with the gradients too: the device keeps none past the backward
+    grads = ft.memory(ft.offload(step, "optimizer+gradients"), state, batch, device="cuda")
+    assert grads.gradients == 0 and grads.host_gradients == 4 * n
+
+
+PLAN_GPT2_XL = dict(vocab_size=50257, seq_len=1024, d_model=1600, n_layer=48, n_head=25)
+
+
+def test_gpt2_xl_with_adamw_fits_24_gib_of_cuda_only_with_offload():
+    from ftrain.models import GPT, GPTConfig
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**PLAN_GPT2_XL, matmul="torch"))
+    params = ft.params_of(model)
+    n = ft.param_count(params)
+    step = ft.checkpoint(ft.train_step(lm_loss(model), ft.optim.adamw(3e-4), donate=True), "blocks")
+    batch = {k: torch.empty(1, 1024, dtype=torch.long, device="meta") for k in ("input", "target")}
+    budget = 24 * 2**30
+    on_device = ft.memory(step, params, batch, device="cuda")
+    offloaded = ft.memory(ft.offload(step), params, batch, device="cuda")
+    # the hand calculation: fp32 params + grads (4 + 4 bytes a parameter) on the device, AdamW's
+    # two moments (8) on the device or on the host
+    assert on_device.params == offloaded.params == 4 * n
+    assert on_device.optimizer == pytest.approx(8 * n, rel=1e-6)
+    assert offloaded.host_optimizer == pytest.approx(8 * n, rel=1e-6)
+    assert on_device.peak > budget >= offloaded.peak  # 23.2 GiB of state alone is under 24
+    assert on_device.peak > 16 * n and offloaded.peak > 8 * n
+    # the device's peak falls in backward, so offload saves exactly the state it moves
+    assert on_device.peak - offloaded.peak == pytest.approx(8 * n, rel=1e-3)
+
+
+def test_a_bad_device_is_refused_with_the_legal_forms():
+    step, state, batch = composed("small", 1, "none", "fp32", "adamw")
+    with pytest.raises(ValueError, match=r"ft.memory\(device='gpu0'\).*'cuda'"):
+        ft.memory(step, state, batch, device="gpu0")
+    if not torch.cuda.is_available():  # the meta stand-in has no autocast: refused, with the fix
+        with pytest.raises(ValueError, match="plan the step in fp32"):
+            ft.memory(ft.autocast(step, torch.bfloat16), state, batch, device="cuda")

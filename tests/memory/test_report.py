@@ -42,3 +42,30 @@ def test_tables_name_every_part():
     c = Candidate(2, "blocks", "bf16", None, 48, 1.0, True)
     fit = FitReport(64, c, (c,), r, "why")
     assert "k=2 blocks bf16" in str(fit) and "<- chosen" in str(fit) and "why" in str(fit)
+
+
+def test_a_device_plan_shows_the_host_beside_the_device():
+    r = MemoryReport(
+        10,
+        10,
+        0,
+        5,
+        7,
+        1,
+        28,
+        "forward/backward",
+        1,
+        100,
+        ("offload",),
+        device="cuda",
+        host_optimizer=20,
+        host_update=30,
+        host_peak=50,
+    )
+    assert r.host_apart and r.device_peak == r.peak == 28 and r.host_state == 20
+    header, *rows = str(r).splitlines()[1:]
+    assert header.split() == ["cuda", "host"]
+    peak = next(line for line in rows if line.lstrip().startswith("peak"))
+    assert peak.split()[-4:] == ["28", "B", "50", "B"]
+    cpu = MemoryReport(10, 10, 20, 5, 7, 1, 48, "update", 2, 100, ())
+    assert not cpu.host_apart and "host == device" in str(cpu)

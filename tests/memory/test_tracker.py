@@ -83,3 +83,22 @@ def test_fake_like_keeps_small_leaves_real_and_fakes_the_rest():
     fake = fake_like(big, mode)
     assert is_fake(fake) and fake.shape == big.shape and not is_fake(big)
     assert fake_like(torch.empty(2, device="meta"), mode).sum().item() == 0  # real zeros
+
+
+def test_host_bytes_are_counted_apart_from_the_devices():
+    live = LiveBytes(host=torch.device("cpu"))
+    with fake_mode(), live:
+        d = torch.empty(1000, device="meta")  # 4000 bytes on the "device" (meta stands in)
+        live.mark("m")
+        h = torch.empty(250, dtype=torch.float64)  # 2000 bytes on the host
+        h2 = h + 1  # +2000 on the host
+        del h, h2
+        d2 = d.to("cpu")  # a device-to-host copy: 4000 on the host
+    assert (live.peak, live.live) == (4000, 4000)  # d: the device never saw the host's bytes
+    assert live.host_peak == 4000 and live.host_live == d2.numel() * d2.element_size()
+    assert live.since("m") == 4000 and live.host_since("m") == 4000 and live.host_marks["m"] == 0
+    plain = LiveBytes()  # without host: every storage in one count
+    with fake_mode(), plain:
+        d = torch.empty(1000, device="meta")
+        d2 = d.to("cpu")
+    assert plain.peak == 8000 and plain.host_peak == 0
