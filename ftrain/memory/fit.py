@@ -15,7 +15,7 @@ from ftrain.memory.predict import memory
 from ftrain.memory.report import Candidate, FitReport, MemoryReport, format_bytes, parse_bytes
 from ftrain.step import Step
 from ftrain.transforms.accumulate import Accumulate
-from ftrain.transforms.autocast import Autocast
+from ftrain.transforms.autocast import Autocast, LossScaled
 from ftrain.transforms.compile import Compile
 from ftrain.transforms.offload import Offload
 from ftrain.transforms.recompute import POLICIES, Checkpoint
@@ -211,13 +211,16 @@ def _compose(
     if precision != "fp32":
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
         same = old_auto is not None and old_auto.dtype is dtype
-        ts.append(old_auto if same else Autocast(dtype, _fp16_scaler(dtype)))
+        scaler = _fp16_scaler(dtype)
+        made = (LossScaled if scaler is not None else Autocast)(dtype, scaler)
+        ts.append(old_auto if same else made)
     if policy != "none":
         ts.append(Checkpoint(policy, old_ckpt.modules if old_ckpt else None))
     if k > 1:
         ts.append(Accumulate(k))
     if strategy is not None:
-        ts.append(Shard(strategy, shard.mesh if shard is not None else None))
+        mesh, prefetch = (shard.mesh, shard.prefetch) if shard is not None else (None, True)
+        ts.append(Shard(strategy, mesh, prefetch=prefetch))
     if compile_ is not None and strategy != "fsdp":
         ts.append(compile_)
     return dataclasses.replace(step, transforms=tuple(ts))

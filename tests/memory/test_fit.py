@@ -59,6 +59,16 @@ def test_a_roomy_budget_keeps_the_fastest_and_strings_are_budgets():
     assert new.transforms == ()
 
 
+def test_an_fp16_choice_is_a_step_with_its_loss_scale_that_runs():
+    step, state, batch = setup(rows=4)
+    new, report = ft.fit(step, state, batch, "1GiB", precisions=("fp16",))
+    assert report.chosen.precision == "fp16"
+    rows = {r.hook: r.transforms for r in new.explain_rows()}
+    assert rows["loss_scale"] == ("autocast",)  # fp16 keeps its loss scale
+    _, metrics = new(state, batch)
+    assert torch.isfinite(metrics["loss"])
+
+
 def test_user_transforms_are_kept_and_the_old_composition_replaced():
     step, state, batch = setup(rows=8)
     marked = ft.accumulate(ft.checkpoint(ft.ema(step, 0.9), "blocks"), 2)
