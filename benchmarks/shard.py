@@ -51,19 +51,25 @@ def _bytes(tensors) -> int:
     return total
 
 
-def _on_rank(cfg: GPTConfig, rows: int, rounds: int) -> dict:
-    """Runs on each of the two processes: every variant, interleaved."""
+def _rank_setup(cfg: GPTConfig, rows: int):
+    """This process's model template (the same on every rank), its own batch and the loss."""
     torch.set_num_threads(1)
-    rank = dist.get_rank()
     torch.manual_seed(0)
     template = GPT(cfg)
-    g = torch.Generator().manual_seed(rank)
+    g = torch.Generator().manual_seed(dist.get_rank())
     x = torch.randint(0, cfg.vocab_size, (rows, cfg.seq_len), generator=g)
     batch = {"input": x, "target": torch.roll(x, -1, dims=1)}
 
     def loss_fn(params, b):
         return ft.losses.cross_entropy(ft.apply(template, params, b["input"]), b["target"])
 
+    return template, batch, loss_fn
+
+
+def _on_rank(cfg: GPTConfig, rows: int, rounds: int) -> dict:
+    """Runs on each of the two processes: every variant, interleaved."""
+    template, batch, loss_fn = _rank_setup(cfg, rows)
+    rank, x = dist.get_rank(), batch["input"]
     runs, memory = {}, {}
     for name in [*STRATEGIES, "fsdp+checkpoint"]:
         strategy = name.split("+")[0]
@@ -199,17 +205,7 @@ def _time_rounds(runs: dict, rounds: int) -> dict:
 def _on_rank_prefetch(cfg: GPTConfig, rows: int, rounds: int) -> dict:
     """Runs on each of the two processes: fsdp and fsdp+checkpoint, each with prefetch on and
     off, interleaved; the plain PyTorch way (FSDP2, which prefetches) beside them."""
-    torch.set_num_threads(1)
-    rank = dist.get_rank()
-    torch.manual_seed(0)
-    template = GPT(cfg)
-    g = torch.Generator().manual_seed(rank)
-    x = torch.randint(0, cfg.vocab_size, (rows, cfg.seq_len), generator=g)
-    batch = {"input": x, "target": torch.roll(x, -1, dims=1)}
-
-    def loss_fn(params, b):
-        return ft.losses.cross_entropy(ft.apply(template, params, b["input"]), b["target"])
-
+    template, batch, loss_fn = _rank_setup(cfg, rows)
     runs, peaks = {}, {}
     for name in ("fsdp", "fsdp+checkpoint"):
         for prefetch in (False, True):
