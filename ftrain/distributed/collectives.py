@@ -67,12 +67,18 @@ class Layout:
 
     def all_gather(self, pieces: Sequence[torch.Tensor], rank: int, group) -> list[torch.Tensor]:
         """The whole tensors from every rank's pieces (one all-gather)."""
-        t0 = pieces[0]
-        send = torch.cat(
-            [p.reshape(-1) for p in pieces] + [t0.new_zeros(self.pads[rank])]
-        )  # (segment,)
-        out = t0.new_empty(self.world * self.segment)  # (W * segment,)
+        send = self.gather_send(pieces, rank)
+        out = send.new_empty(self.world * self.segment)  # (W * segment,)
         all_gather_into(out, send, group)
+        return self.gathered(out)
+
+    def gather_send(self, pieces: Sequence[torch.Tensor], rank: int) -> torch.Tensor:
+        """What ``rank`` sends to the all-gather: its pieces, flat, padded to the segment."""
+        t0 = pieces[0]
+        return torch.cat([p.reshape(-1) for p in pieces] + [t0.new_zeros(self.pads[rank])])
+
+    def gathered(self, out: torch.Tensor) -> list[torch.Tensor]:
+        """The whole tensors in the all-gather's flat result ``out`` (W segments)."""
         parts = [
             out[r * self.segment : r * self.segment + sum(self.sizes[r])].split(self.sizes[r])
             for r in range(self.world)
@@ -84,16 +90,25 @@ class Layout:
 
     def reduce_scatter(self, fulls: Sequence[torch.Tensor], rank: int, group) -> list[torch.Tensor]:
         """This rank's pieces of the sums over ranks of whole tensors (one reduce-scatter)."""
+        send = self.scatter_send(fulls)
+        out = send.new_empty(self.segment)
+        reduce_scatter_into(out, send, group)
+        return self.scattered(out, rank)
+
+    def scatter_send(self, fulls: Sequence[torch.Tensor]) -> torch.Tensor:
+        """What every rank sends to the reduce-scatter: each rank's pieces of ``fulls`` in rank
+        order, each segment padded (W * segment elements)."""
         t0 = fulls[0]
-        send = torch.cat(
+        return torch.cat(
             [
                 piece.reshape(-1)
                 for r in range(self.world)
                 for piece in (*self.local(fulls, r), t0.new_zeros(self.pads[r]))
             ]
-        )  # (W * segment,)
-        out = t0.new_empty(self.segment)
-        reduce_scatter_into(out, send, group)
+        )
+
+    def scattered(self, out: torch.Tensor, rank: int) -> list[torch.Tensor]:
+        """``rank``'s pieces (views) in the reduce-scatter's flat result ``out`` (one segment)."""
         pieces = out[: sum(self.sizes[rank])].split(self.sizes[rank])
         return [p.view(-1, *s[1:]) for p, s in zip(pieces, self.shapes)]
 

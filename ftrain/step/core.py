@@ -118,7 +118,6 @@ class Step:
         )
         derived = {
             "resolved": resolved,
-            "_engine": engine,
             "_call": call,
             "_apply": leaf_apply(optimizer),
             "_cache": ApplyCache(),
@@ -248,7 +247,7 @@ class Step:
         def forward(params: TensorDict, piece: Any) -> tuple[Loss, bool]:
             return self._forward(params, piece, state, pieces_of)
 
-        return self._engine(forward, state.params, pieces, scale)
+        return self.resolved.gradient_engine(forward, state.params, pieces, scale)
 
     def finish(
         self, state: TrainState, out: Grads, scale

@@ -61,9 +61,9 @@ def rows(step: Any) -> list[Row]:
 
 def explain(step: Any) -> str:
     """A table of :func:`rows`: one line per hook, in the order they run."""
-    lines = [repr(step)]
-    width = max(len(r.hook) for r in rows(step))
-    for r in rows(step):
+    lines, table = [repr(step)], rows(step)
+    width = max(len(r.hook) for r in table)
+    for r in table:
         who = ", ".join(r.transforms) if r.transforms else "-"
         lines.append(f"  {r.phase:<8} {r.hook:<{width}}  {r.runs:<24} {who}")
     return "\n".join(lines)

@@ -78,13 +78,10 @@ def test_micro_batches_more_than_rows():
         ft.accumulate(step, 4)(state, lm_batch(3, lengths=UNEVEN))
 
 
-def test_accumulate_twice_says_how_many_micro_batches_to_ask_for():
+def test_accumulate_twice_names_both_counts_and_asks_for_one():
     _, step, _ = gpt_step()
-    with pytest.raises(ValueError, match=r"applied twice: micro_batches=2, then micro_batches=3"):
+    with pytest.raises(ValueError) as refused:
         ft.accumulate(ft.accumulate(step, 2), 3)
-
-
-def test_accumulate_twice_names_the_count_the_step_already_has():
-    _, step, _ = gpt_step()
-    with pytest.raises(ValueError, match=r"ft\.accumulate was applied twice.*apply it once"):
-        ft.accumulate(ft.accumulate(step, 2), 3)
+    message = str(refused.value)
+    assert "ft.accumulate was applied twice: micro_batches=2, then micro_batches=3" in message
+    assert "apply it once" in message

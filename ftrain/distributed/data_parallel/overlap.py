@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from ftrain.distributed.collectives import Layout, by_dtype, layout
+from ftrain.distributed.collectives import by_dtype, layout
 from ftrain.distributed.data_parallel import dp_split
 from ftrain.distributed.dtensor import dtensor, from_local, is_dtensor, local
 
@@ -131,10 +131,8 @@ def gather_ahead(shards: Sequence[torch.Tensor], mesh) -> Pending:
     for idx in by_dtype(shards).values():
         pieces = [local(shards[i]) for i in idx]
         lay = layout(tuple(shards[i].shape for i in idx), mesh.size())
-        send = torch.cat(
-            [p.reshape(-1) for p in pieces] + [pieces[0].new_zeros(lay.pads[rank])]
-        )  # (segment,)
-        out = pieces[0].new_empty(lay.world * lay.segment)  # (W * segment,)
+        send = lay.gather_send(pieces, rank)  # (segment,)
+        out = send.new_empty(lay.world * lay.segment)  # (W * segment,)
         works.append(all_gather(out, send, group=group, async_op=True))
         cuts.append((idx, lay, out))
         sends.append(send)
@@ -142,21 +140,11 @@ def gather_ahead(shards: Sequence[torch.Tensor], mesh) -> Pending:
     def finish() -> list[torch.Tensor]:
         whole: list = [None] * len(shards)
         for idx, lay, out in cuts:
-            for i, w in zip(idx, _cut(lay, out)):
+            for i, w in zip(idx, lay.gathered(out)):
                 whole[i] = w
         return whole
 
     return Pending(works, finish, sends, [out for _, _, out in cuts])
-
-
-def _cut(lay: Layout, out: torch.Tensor) -> list[torch.Tensor]:
-    """The whole tensors in an all-gathered flat buffer (as ``Layout.all_gather`` cuts them)."""
-    seg, sizes = lay.segment, lay.sizes
-    parts = [out[r * seg : r * seg + sum(sizes[r])].split(sizes[r]) for r in range(lay.world)]
-    return [
-        torch.cat([parts[r][i].view(-1, *shape[1:]) for r in range(lay.world)])
-        for i, shape in enumerate(lay.shapes)
-    ]
 
 
 def reduce_scatter_ahead(
@@ -175,19 +163,12 @@ def reduce_scatter_ahead(
     for idx in by_dtype(grads).values():
         chosen = [grads[i].contiguous() for i in idx]
         lay = layout(tuple(t.shape for t in chosen), mesh.size())
-        send = torch.cat(
-            [
-                piece.reshape(-1)
-                for r in range(lay.world)
-                for piece in (*lay.local(chosen, r), chosen[0].new_zeros(lay.pads[r]))
-            ]
-        )  # (W * segment,)
-        out = chosen[0].new_empty(lay.segment)  # (segment,): filled when the work is done
+        send = lay.scatter_send(chosen)  # (W * segment,)
+        out = send.new_empty(lay.segment)  # (segment,): filled when the work is done
         works.append(reduce_scatter(out, send, group=group, async_op=True))
         sends.append(send)
-        pieces = out[: sum(lay.sizes[rank])].split(lay.sizes[rank])
-        for i, t, p, s in zip(idx, chosen, pieces, lay.shapes):
-            shards[i] = from_local(p.view(-1, *s[1:]), mesh, row, t.shape, t.stride())
+        for i, t, p in zip(idx, chosen, lay.scattered(out, rank)):
+            shards[i] = from_local(p, mesh, row, t.shape, t.stride())
     return shards, Pending(works, lambda: shards, sends)
 
 
