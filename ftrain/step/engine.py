@@ -13,6 +13,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 from tensordict import TensorDict
+from torch._subclasses.fake_tensor import FakeTensor
 
 from ftrain import tree
 from ftrain.internals import foreach
@@ -28,6 +29,7 @@ __all__ = [
     "backward_plan",
     "nonzero",
     "add_aux",
+    "exclusive",
 ]
 
 # The step's forward: the loss of one micro-batch, and whether the loss function returned a
@@ -100,6 +102,31 @@ def nonzero(count: torch.Tensor) -> torch.Tensor:
     return torch.where(count != 0, count, torch.ones_like(count))
 
 
+def exclusive(grads: Sequence[torch.Tensor | None]) -> bool:
+    """Whether every tensor of ``grads`` is a plain dense tensor alone in its memory: filling its
+    whole storage (no broadcast, no slice of a bigger buffer), no storage shared with another
+    gradient. Such gradients, fresh from ``torch.autograd.grad``, are the step's to overwrite (the
+    division by the count in place: no second gradient-sized buffer). Fake tensors answer as real ones would (``ft.memory`` plans
+    the same step). Under ``torch.compile`` (which plans buffers itself) and for wrapped tensors
+    (vmap's, DTensors) the answer is False: the step then divides out of place."""
+    if torch.compiler.is_compiling():
+        return False
+    seen = set()  # the storages' Python objects, one per storage while it lives
+    for g in grads:
+        if g is None:
+            continue
+        if type(g) not in (torch.Tensor, FakeTensor) or not g.is_contiguous():
+            return False
+        try:
+            storage = g.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # functorch-wrapped: no storage of its own
+            return False
+        if storage.nbytes() != g.numel() * g.element_size() or id(storage) in seen:
+            return False
+        seen.add(id(storage))
+    return True
+
+
 class AutogradEngine:
     """``torch.autograd.grad`` of each micro-batch's loss over leaf copies of the params, summed.
 
@@ -147,8 +174,9 @@ class AutogradEngine:
                 fresh = True
             else:
                 g = torch.autograd.grad(loss.total, leaves, allow_unused=True)
-                fresh = False  # autograd's own: they may share memory ((a + b).sum() gives a
-                # and b one gradient tensor) or be broadcast views, so never written in place
+                # autograd's own may share memory ((a + b).sum() gives a and b one gradient
+                # tensor) or be broadcast views: written in place only when none does
+                fresh = exclusive(g)
             if grads is None:  # later micro-batches add into these
                 grads = [gi if gi is not None else torch.zeros_like(p) for gi, p in zip(g, leaves)]
                 owned = fresh

@@ -11,9 +11,9 @@ import torch
 from tensordict import TensorDict
 
 import ftrain as ft
-from ftrain import optim
+from ftrain import optim, testing
 from ftrain.step import AutogradEngine, backward_plan
-from ftrain.step.engine import nonzero
+from ftrain.step.engine import exclusive, nonzero
 
 
 def linear_forward(seen=None, low_mean=False):
@@ -181,3 +181,35 @@ def test_fp16_mean_loss_over_many_rows_reports_a_finite_loss():
     _, m32 = ft.train_step(loss_fn, opt)(state, x)
     assert torch.isfinite(m16["loss"]) and not m16["skipped"]
     torch.testing.assert_close(m16["loss"], m32["loss"], rtol=1e-2, atol=0)
+
+
+def test_exclusive_accepts_fresh_gradients_and_refuses_shared_or_broadcast_ones():
+    model = _SharedGrad()
+    leaves = [p.detach().requires_grad_(True) for p in (model.a, model.b, model.c)]
+    a, b, c = leaves
+    x = torch.randn(8, 4)
+    shared = torch.autograd.grad(((x @ (a + b).T) ** 2).sum(), [a, b])
+    assert shared[0].untyped_storage().data_ptr() == shared[1].untyped_storage().data_ptr()
+    assert not exclusive(shared)
+    assert not exclusive(torch.autograd.grad(c.sum(), [c]))  # a stride-0 view of one element
+    fresh = torch.autograd.grad(((x @ a.T) ** 2).sum() + (c * c).sum(), [a, c])
+    assert exclusive(fresh) and exclusive([fresh[0], None])
+
+
+def test_a_plain_step_divides_autograds_fresh_gradients_in_place(monkeypatch):
+    """No second gradient-sized buffer: a step over a 1 MiB matrix peaks at least one gradient
+    lower than the same step made to treat its gradients as shared (divided out of place)."""
+    w0 = torch.randn(512, 512)
+    x = torch.randn(4, 512)
+    opt = optim.sgd(0.1)
+
+    def loss_fn(params, batch):
+        return ft.Loss((batch @ params["w"]).square().sum(), torch.tensor(batch.shape[0]))
+
+    def peak() -> int:
+        state = ft.TrainState.create(TensorDict({"w": w0.clone()}, []), opt)
+        return testing.peak_bytes(ft.train_step(loss_fn, opt, donate=True), state, x)
+
+    in_place = peak()
+    monkeypatch.setattr("ftrain.step.engine.exclusive", lambda grads: False)
+    assert peak() - in_place >= 0.95 * w0.numel() * 4  # small activations come and go
