@@ -263,18 +263,20 @@ def fused_adam(
         if weight_decay:
             _need_params(p, fn)
             flags = flags_of(ctx.tree, p)
+        # the kernels' copies of the step and the rate, made once for every call below
+        k_count, k_lr = (kernels.scalar_on(x, g[0].device) for x in (count, lr))
         if write_params:  # torch.optim's way: the kernel decays and steps the params
             out = p if ctx.inplace else [t.clone() for t in p]
             for idx, wd in _by_decay(flags, len(p), weight_decay):
                 kernels.fused_adam_(
-                    *([x[i] for i in idx] for x in (out, g, mu, nu)), count, lr,
+                    *([x[i] for i in idx] for x in (out, g, mu, nu)), k_count, k_lr,
                     b1=b1, b2=b2, eps=eps, weight_decay=wd, decoupled=decoupled,
                 )  # fmt: skip
         else:  # the updates, which the caller adds: the decay as the chain does it
             if flags is not None and not decoupled:
                 g = _with_l2(g, p, flags, weight_decay, ctx.owned)
             out = _start(g, p, flags if decoupled else None, -lr * weight_decay)
-            kernels.fused_adam_(out, g, mu, nu, count, lr, b1=b1, b2=b2, eps=eps)
+            kernels.fused_adam_(out, g, mu, nu, k_count, k_lr, b1=b1, b2=b2, eps=eps)
         new_s = list(s)
         new_s[i_count] = count
         new_s[lo + m_lo : lo + m_hi] = mu
@@ -318,18 +320,19 @@ def fused_sgd(
         if weight_decay:
             _need_params(p, "sgd")
             flags = flags_of(ctx.tree, p)
+        k_lr = kernels.scalar_on(lr, g[0].device)  # the kernels' copy, made once
         if write_params:  # torch.optim's way: the kernel adds the L2 term and steps the params
             out = p if ctx.inplace else [t.clone() for t in p]
             for idx, wd in _by_decay(flags, len(p), weight_decay):
                 kernels.fused_sgd_(
                     *([x[i] for i in idx] for x in (out, g)), [bufs[i] for i in idx] if bufs else [],
-                    lr, momentum=momentum, nesterov=nesterov, weight_decay=wd,
+                    k_lr, momentum=momentum, nesterov=nesterov, weight_decay=wd,
                 )  # fmt: skip
         else:  # the updates, which the caller adds: the L2 term added first, as the chain does
             if flags is not None:
                 g = _with_l2(g, p, flags, weight_decay, ctx.owned)
             out = _start(g, None, None, None)
-            kernels.fused_sgd_(out, g, bufs, lr, momentum=momentum, nesterov=nesterov)
+            kernels.fused_sgd_(out, g, bufs, k_lr, momentum=momentum, nesterov=nesterov)
         new_s = list(s)
         if trace_key is not None:
             new_s[lo + t_lo : lo + t_hi] = bufs

@@ -127,6 +127,23 @@ def fused_refusal(tensors: list[torch.Tensor]) -> str | None:
     return None
 
 
+def scalar_on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t``, a 0-d number the host computed (a step count, a learning rate), as a float32 tensor
+    on ``device`` for a fused kernel to read, without making the host wait for the device: a
+    number on the CPU is staged in pinned memory and copied asynchronously (a plain copy from
+    pageable memory waits for every kernel queued before it: a host sync per copy). Already
+    there, it is returned as it is."""
+    t = t if t.dtype == torch.float32 else t.to(torch.float32)
+    if t.device == device or device.type == "cpu":
+        return t.to(device)
+    if t.device.type == "cpu":
+        try:
+            t = t.pin_memory()
+        except RuntimeError:  # an accelerator without pinned host memory: a plain copy
+            return t.to(device)
+    return t.to(device, non_blocking=True)
+
+
 def _groups(tensors: list[torch.Tensor]) -> list[list[int]]:
     """Positions of ``tensors`` grouped by (device, dtype): one kernel call each, as torch does."""
     by: dict = {}
@@ -160,7 +177,7 @@ def fused_adam_(
     kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
     for idx in _groups(out):
         device = out[idx[0]].device
-        step = count.to(device=device, dtype=torch.float32)  # the kernels read a float32 step
+        step = scalar_on(count, device)  # the kernels read a float32 step
         kernel(
             [out[i] for i in idx],
             [grads[i] for i in idx],
@@ -168,7 +185,7 @@ def fused_adam_(
             [nu[i] for i in idx],
             [],
             [step] * len(idx),
-            lr=lr.to(device=device, dtype=torch.float32),
+            lr=scalar_on(lr, device),
             beta1=b1,
             beta2=b2,
             weight_decay=weight_decay,
@@ -201,7 +218,7 @@ def fused_sgd_(
             [momentum_buffers[i] for i in idx] if momentum else [],
             weight_decay=weight_decay,
             momentum=momentum,
-            lr=lr.to(device=device, dtype=torch.float32),
+            lr=scalar_on(lr, device),
             dampening=0.0,
             nesterov=nesterov,
             maximize=False,
