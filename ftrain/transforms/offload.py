@@ -66,6 +66,15 @@ def _to_host(ts: Leaves, pin: bool = False) -> Leaves:
     return out
 
 
+def _pinned(new: Leaves, old: Leaves) -> Leaves:
+    """The ``new`` optimizer state kept in pinned memory where the ``old`` one was (``init`` pins
+    it where the params are on a CUDA device): tensors an update made anew (its counters; every
+    moment of a step that does not donate) are pinned, those updated in place already are."""
+    if not any(t.is_pinned() for t in old):
+        return new
+    return [t.pin_memory() if t.device == HOST and not t.is_pinned() else t for t in new]
+
+
 def _back(host: Leaves, like: Leaves, inplace: bool) -> Leaves:
     """``host`` tensors on the devices of ``like``: written into ``like`` when ``inplace`` (a
     donated step), else new tensors. A tensor that is already where it belongs is returned."""
@@ -110,7 +119,7 @@ def offloaded(inner: GradientTransformation) -> GradientTransformation:
         owned = ctx.owned or any(a is not b for a, b in zip(hu, u))  # copies are ours
         hp = None if p is None else _to_host(p)
         new_u, new_s = inner_update(hu, _to_host(s), hp, ctx._replace(owned=owned))
-        return _back(new_u, u, False), new_s
+        return _back(new_u, u, False), _pinned(new_s, s)
 
     @torch.compiler.disable
     def apply(g: Leaves, s: Leaves, p: Leaves, ctx: LeafContext):
@@ -118,7 +127,7 @@ def offloaded(inner: GradientTransformation) -> GradientTransformation:
         owned = ctx.owned or any(a is not b for a, b in zip(hg, g))
         # host copies of the params may be overwritten; the params themselves only when donated
         new_hp, new_s = inner_apply(hg, _to_host(s), hp, ctx._replace(owned=owned))
-        return _back(new_hp, p, ctx.inplace), new_s
+        return _back(new_hp, p, ctx.inplace), _pinned(new_s, s)
 
     return leafwise(init, update, apply)
 
