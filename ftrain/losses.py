@@ -79,30 +79,38 @@ class ScalarLossWarning(UserWarning):
 
 
 def cross_entropy(
-    logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100
+    logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100, *, fp32: bool = True
 ) -> TokenLoss:
     """Token cross-entropy as ``TokenLoss(sum over valid tokens, number of valid tokens)``.
 
     ``logits`` is ``(..., V)`` and ``targets`` is ``(...)``, already aligned (``targets[i]`` is
     what ``logits[i]`` predicts); positions where ``targets == ignore_index`` contribute nothing to
-    either the sum or the count. The sum is computed in fp32 whatever the logits' dtype.
+    either the sum or the count. The sum is computed in fp32 whatever the logits' dtype: with
+    ``fp32=True`` (the default) from fp32 log-probabilities (bf16/fp16 logits are upcast first);
+    with ``fp32=False`` from log-probabilities in the logits' dtype, as ``F.cross_entropy`` on
+    bf16 logits computes them under CUDA autocast (nanoGPT's loss): no fp32 copy of the logits
+    and half the bytes saved for backward (batch x seq x vocab of them, a language model's
+    biggest activation), at bf16's rounding of each log-probability.
     """
     if logits.shape[:-1] != targets.shape:
         raise ValueError(
             f"cross_entropy: logits {tuple(logits.shape)} must be targets {tuple(targets.shape)} "
             "plus a trailing vocabulary dimension."
         )
-    total = F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).float(),
-        targets.reshape(-1),
-        ignore_index=ignore_index,
-        reduction="sum",
-    )
+    x, t = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+    if fp32:
+        total = F.cross_entropy(x.float(), t, ignore_index=ignore_index, reduction="sum")
+    else:  # the kernel accumulates in fp32 and writes the logits' dtype; the sum in fp32
+        valid = t != ignore_index
+        picked = F.log_softmax(x, dim=-1).gather(1, torch.where(valid, t, 0).unsqueeze(1))
+        total = -torch.where(valid, picked.squeeze(1).float(), 0.0).sum()
     count = (targets != ignore_index).sum()
     return TokenLoss(total, count)
 
 
-def causal_lm(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> TokenLoss:
+def causal_lm(
+    logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100, *, fp32: bool = True
+) -> TokenLoss:
     """Hugging Face's causal language-model loss as ``TokenLoss(sum, tokens predicted)``.
 
     Hugging Face's convention: ``labels`` is *not* shifted (often the ``input_ids`` themselves,
@@ -110,7 +118,7 @@ def causal_lm(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -1
     So ``logits`` ``(..., T, V)`` and ``labels`` ``(..., T)`` are aligned here and the last
     position predicts nothing. The count is the number of *predicted* targets,
     ``(labels[..., 1:] != ignore_index).sum()``: one fewer per row than the row's labels (the first
-    label is never a target). ``value`` equals ``model(input_ids, labels=labels).loss``; unlike
+    label is never a target). ``fp32`` is :func:`cross_entropy`'s. ``value`` equals ``model(input_ids, labels=labels).loss``; unlike
     that mean, the sum and count stay exact under ``ft.accumulate`` and ``ft.shard``::
 
         def loss_fn(params, batch):
@@ -123,7 +131,7 @@ def causal_lm(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -1
             "trailing vocabulary dimension, with the sequence dimension last in labels (the "
             "labels are not shifted: causal_lm shifts them)."
         )
-    return cross_entropy(logits[..., :-1, :], labels[..., 1:], ignore_index)
+    return cross_entropy(logits[..., :-1, :], labels[..., 1:], ignore_index, fp32=fp32)
 
 
 def row_mean(value: torch.Tensor) -> RowMean:

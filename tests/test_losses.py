@@ -40,6 +40,28 @@ def test_cross_entropy_is_the_sum_over_valid_tokens_and_their_number():
         cross_entropy(logits, targets[:, :4])
 
 
+def test_cross_entropy_in_the_logits_dtype_sums_bf16_log_probabilities_in_fp32():
+    """``fp32=False``: the log-probabilities in bf16 (fp32 inside the softmax kernel), their sum
+    in fp32: nll_loss of the bf16 log-softmax upcast gives the same numbers; the gradient comes
+    back in bf16 and matches the fp32 loss's to bf16's rounding."""
+    g = torch.Generator().manual_seed(0)
+    logits = (3 * torch.randn(4, 6, 11, generator=g)).to(torch.bfloat16).requires_grad_()
+    targets = torch.randint(0, 11, (4, 6), generator=g)
+    targets[1, 3:] = -100
+    loss = cross_entropy(logits, targets, fp32=False)
+    logp = F.log_softmax(logits.detach().flatten(0, 1), dim=-1).float()
+    want = F.nll_loss(logp, targets.flatten(), reduction="sum")
+    assert loss.total.dtype == torch.float32 and int(loss.count) == 24 - 3
+    torch.testing.assert_close(loss.total, want, rtol=1e-6, atol=1e-5)
+    exact = cross_entropy(logits, targets).total
+    torch.testing.assert_close(loss.total, exact, rtol=2e-2, atol=0)  # bf16: 8 bits of mantissa
+    (grad,) = torch.autograd.grad(loss.total, logits)
+    (grad32,) = torch.autograd.grad(exact, logits)
+    assert grad.dtype == torch.bfloat16
+    torch.testing.assert_close(grad.float(), grad32.float(), rtol=2e-2, atol=1e-2)
+    assert torch.all(grad[1, 3:] == 0)  # ignored positions get no gradient
+
+
 def test_a_count_of_zero_gives_a_value_of_zero():
     assert float(ft.Loss(torch.tensor(0.0), torch.tensor(0)).value) == 0.0
 
