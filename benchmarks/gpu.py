@@ -37,6 +37,7 @@ import argparse
 import dataclasses
 import inspect
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -68,6 +69,8 @@ class Run:
     tiny: bool
     compile: bool
     rows: list = dataclasses.field(default_factory=list)  # check table rows
+    dump: Path | None = None  # where the profiler's whole kernel tables go (--dump DIR)
+    apart: bool = False  # also the compiled step with the backward apart (--apart)
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -310,18 +313,39 @@ def matmul_peak(run: Run) -> float:
     return best
 
 
-def ftrain_side(run: Run, dims: dict, x, y, compiled: bool):
+def ftrain_apart_side(run: Run, dims: dict, x, y, compiled: bool):
+    """The same step compiled with its backward apart (compiled only; ft.compile's fallback where
+    it cannot recompute checkpointed blocks in one graph): dynamo breaks the graph at
+    ``torch.autograd.grad``, so AOT autograd partitions forward and backward as for the PyTorch
+    loop (recomputing what is cheap), and the update is a graph of its own. A diagnostic: where
+    ft.compile's one graph (forward, backward and update traced together) holds more memory."""
+    return ftrain_side(run, dims, x, y, compiled, apart=True)
+
+
+def ftrain_bf16_loss_side(run: Run, dims: dict, x, y, compiled: bool):
+    """The same step with the loss's log-probabilities in bf16 (``cross_entropy(fp32=False)``),
+    the precision of the loop's ``F.cross_entropy`` under autocast: the like-for-like side."""
+    return ftrain_side(run, dims, x, y, compiled, fp32_loss=False)
+
+
+def ftrain_side(run: Run, dims: dict, x, y, compiled: bool, apart=False, fp32_loss=True):
     """ftrain's donated bf16 step as ``ftrain train`` composes it: a function doing one step."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(**dims)).to(run.device)
 
     def loss_fn(params, batch):
-        return ft.losses.cross_entropy(ft.apply(model, params, batch["input"]), batch["target"])
+        logits = ft.apply(model, params, batch["input"])
+        return ft.losses.cross_entropy(logits, batch["target"], fp32=fp32_loss)
 
     opt = optim.adamw(6e-4, **ADAMW, mask=optim.decay_mask)
     step = ft.autocast(ft.train_step(loss_fn, opt, donate=True), torch.bfloat16)
     if compiled:
         step = ft.compile(step)
+        if apart:  # ft.compile's own fallback for blocks it cannot recompute in one graph
+            compiled_fn = step._fn  # the outermost function: ft.compile's (no eager wrap here)
+            if not hasattr(compiled_fn, "backward_apart"):
+                raise RuntimeError("--apart: ft.compile's function is not the step's outermost")
+            compiled_fn.backward_apart = True
     box = {"state": ft.TrainState.create(ft.params_of(model), opt)}
     release_params(model)  # as ftrain train does: the params live in the state only
     batch = {"input": x, "target": y}
@@ -366,7 +390,7 @@ def torch_side(run: Run, dims: dict, x, y, compiled: bool):
 
 def bench(run: Run) -> tuple[str, list]:
     dims = BENCH_TINY if run.tiny else BENCH
-    rows, warm, timed = (4, 2, 5) if run.tiny else (12, 5, 20)
+    rows = 4 if run.tiny else 12
     g = torch.Generator().manual_seed(0)
     data = torch.randint(0, dims["vocab_size"], (rows, dims["seq_len"] + 1), generator=g)
     x, y = data[:, :-1].contiguous().to(run.device), data[:, 1:].contiguous().to(run.device)
@@ -375,74 +399,123 @@ def bench(run: Run) -> tuple[str, list]:
     table, losses, profiles = [], {}, []
     modes = (False, True) if run.compile else (False,)
     for compiled in modes:
-        for name, side in (("ftrain (donated step)", ftrain_side), ("PyTorch loop", torch_side)):
-            if run.device.type == "cuda":
-                torch.cuda.empty_cache()
-                run.sync()
-                torch.cuda.reset_peak_memory_stats()
-                base = torch.cuda.memory_allocated()
-            t0 = time.perf_counter()
-            one, box = side(run, dims, x, y, compiled)
-            first = one() if box.get("first") is None else box["first"]
-            losses[(name, compiled)] = float(first)
-            for _ in range(warm):
-                one()
-            run.sync()
-            setup = time.perf_counter() - t0
-            t = time.perf_counter()
-            for _ in range(timed):
-                one()
-            run.sync()
-            ms = (time.perf_counter() - t) / timed * 1e3
-            mem = (
-                (torch.cuda.max_memory_allocated() - base) / 2**30
-                if run.device.type == "cuda"
-                else float("nan")
-            )
-            table.append(
-                (
-                    compiled,
-                    name,
-                    ms,
-                    rows * dims["seq_len"] / ms * 1e3,
-                    flops / (ms / 1e3) / peak,
-                    mem,
-                    setup,
-                )
-            )
-            print(
-                f"  {'compiled' if compiled else 'eager'} {name}: {ms:.2f} ms/iter, {mem:.2f} GiB, setup {setup:.0f} s",
-                flush=True,
-            )
-            if not compiled:
-                profiles.append((name, kernel_table(run, one)))
-            del one, box
-    e_ft, e_pt = losses[("ftrain (donated step)", False)], losses[("PyTorch loop", False)]
-    run.check("bench: ftrain's first loss vs the PyTorch loop's (same init, bf16)",
-              f"{e_ft:.4f} vs {e_pt:.4f}", "rel 1e-2", abs(e_ft - e_pt) <= 1e-2 * abs(e_pt))  # fmt: skip
-    if run.compile:
-        c_ft = losses[("ftrain (donated step)", True)]
+        sides = [("ftrain (donated step)", ftrain_side), ("PyTorch loop", torch_side)]
+        if not compiled or run.apart:
+            sides.append(("ftrain, loss in bf16 as the loop's", ftrain_bf16_loss_side))
+        if compiled and run.apart:
+            sides.append(("ftrain, backward compiled apart", ftrain_apart_side))
+        for name, side in sides:
+            try:
+                row, first, profile = measure(run, side, dims, x, y, compiled)
+            except Exception as e:  # noqa: BLE001 - one broken side is reported, the rest runs
+                mode = "compiled" if compiled else "eager"
+                run.check(f"bench {mode} {name}: raised",
+                          f"{type(e).__name__}: {str(e).splitlines()[0][:120]}", "-", False)  # fmt: skip
+                continue
+            ms, cpu_ms, mem, setup, busy, syncs = row
+            tokens = rows * dims["seq_len"] / ms * 1e3
+            table.append((compiled, name, ms, cpu_ms, busy, tokens, flops / (ms / 1e3) / peak,
+                          mem, setup, syncs))  # fmt: skip
+            losses[(name, compiled)] = first
+            if profile:
+                profiles.append((name, profile))
+            print(f"  {'compiled' if compiled else 'eager'} {name}: {ms:.2f} ms/iter (host CPU "
+                  f"{cpu_ms:.2f}, device busy {busy:.2f}), {mem:.2f} GiB, setup {setup:.0f} s, "
+                  f"{syncs} host syncs", flush=True)  # fmt: skip
+    e_ft, e_pt = losses.get(("ftrain (donated step)", False)), losses.get(("PyTorch loop", False))
+    if e_ft is not None and e_pt is not None:
+        run.check("bench: ftrain's first loss vs the PyTorch loop's (same init, bf16)",
+                  f"{e_ft:.4f} vs {e_pt:.4f}", "rel 1e-2", abs(e_ft - e_pt) <= 1e-2 * abs(e_pt))  # fmt: skip
+    c_ft = losses.get(("ftrain (donated step)", True))
+    if c_ft is not None and e_ft is not None:
         run.check("compile: no recompile over 3 steps; first loss vs eager", f"{c_ft:.4f} vs {e_ft:.4f}",
                   "rel 1e-2", abs(c_ft - e_ft) <= 1e-2 * abs(e_ft))  # fmt: skip
     return _bench_markdown(run, dims, rows, peak, table), profiles
+
+
+def measure(run: Run, side, dims, x, y, compiled: bool):
+    """One side's ``(ms, host CPU ms, peak GiB, setup s, device-busy ms, syncs)`` per step, its
+    first loss, and (eager) its kernel table. Host CPU time is this process's over the timed
+    steps: near the wall time means the host, not the GPU, sets the pace. Device busy is the
+    kernels' summed time per step (the profiler's), syncs the host waits on the device that one
+    step makes (``torch.cuda.set_sync_debug_mode``)."""
+    warm, timed = (2, 5) if run.tiny else (5, 20)
+    if run.device.type == "cuda":
+        torch.cuda.empty_cache()
+        run.sync()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    t0 = time.perf_counter()
+    one, box = side(run, dims, x, y, compiled)
+    first = one() if box.get("first") is None else box["first"]
+    first = float(first)
+    for _ in range(warm):
+        one()
+    run.sync()
+    setup = time.perf_counter() - t0
+    t, c = time.perf_counter(), time.process_time()
+    for _ in range(timed):
+        one()
+    run.sync()
+    ms = (time.perf_counter() - t) / timed * 1e3
+    cpu_ms = (time.process_time() - c) / timed * 1e3
+    mem = (
+        (torch.cuda.max_memory_allocated() - base) / 2**30
+        if run.device.type == "cuda"
+        else float("nan")
+    )
+    syncs = count_syncs(run, one)
+    label = side.__name__
+    profile, busy = (None, float("nan")) if compiled else kernel_table(run, one, label)
+    del one, box
+    return (ms, cpu_ms, mem, setup, busy, syncs), first, profile
+
+
+def count_syncs(run: Run, one) -> int:
+    """How many times one step makes the host wait for the device (0 on the CPU)."""
+    if run.device.type != "cuda":
+        return 0
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            one()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    run.sync()
+    where = [
+        f"{w.filename.split('/')[-1]}:{w.lineno}" for w in seen if "synchroniz" in str(w.message)
+    ]
+    if where:  # which lines of the step wait (the frame that called the op)
+        print(f"    host syncs at: {', '.join(where)}", flush=True)
+    return len(where)
 
 
 def _bench_markdown(run: Run, dims, rows, peak, table) -> str:
     lines = [f"{dims['n_layer']} layers, {dims['d_model']} wide, block {dims['seq_len']}, vocab "
              f"{dims['vocab_size']}, batch {rows}, bf16 autocast, AdamW (lr 6e-4, betas 0.9/0.95, "
              f"wd 0.1 on matrices). Peak: {peak / 1e12:.3g} TFLOP/s measured "
-             f"({'bf16' if run.device.type == 'cuda' else 'fp32'} matmul).", "",
-             "| mode | side | ms/iter | / PyTorch | tokens/s | MFU | peak GiB | build + warm-up s |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
-    ref = {c: ms for c, n, ms, *_ in table if n == "PyTorch loop"}
-    for compiled, name, ms, tok, mfu, mem, setup in table:
+             f"({'bf16' if run.device.type == 'cuda' else 'fp32'} matmul). *host CPU*: this "
+             "process's CPU time per step; *device busy*: the kernels' summed time per step "
+             "(eager; the profiler's); *syncs*: host waits on the device in one step.", "",
+             "| mode | side | ms/iter | / PyTorch | host CPU ms | device busy ms | tokens/s | MFU | "
+             "peak GiB | / PyTorch | syncs | build + warm-up s |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    ref = {c: (ms, mem) for c, n, ms, _, _, _, _, mem, *_ in table if n == "PyTorch loop"}
+    for compiled, name, ms, cpu_ms, busy, tok, mfu, mem, setup, syncs in table:
+        r_ms, r_mem = ref.get(compiled, (float("nan"), float("nan")))
         lines.append(f"| {'compiled' if compiled else 'eager'} | {name} | {ms:.2f} | "
-                     f"{ms / ref[compiled]:.2f} | {tok:,.0f} | {mfu:.2f} | {mem:.2f} | {setup:.0f} |")  # fmt: skip
+                     f"{ms / r_ms:.2f} | {cpu_ms:.2f} | {busy:.2f} | {tok:,.0f} | {mfu:.2f} | "
+                     f"{mem:.2f} | {mem / r_mem:.2f} | {syncs} | {setup:.0f} |")  # fmt: skip
     return "\n".join(lines)
 
 
-def kernel_table(run: Run, one, steps: int = 3, top: int = 15) -> list[str]:
-    """The ``top`` kernels (ops on the CPU) by self device time over ``steps`` steps, per step."""
+def kernel_table(run: Run, one, label: str, steps: int = 3, top: int = 15):
+    """The ``top`` kernels (ops on the CPU) by self device time over ``steps`` steps, per step,
+    and the summed time of all of them per step (ms); with ``run.dump``, the profiler's whole
+    table (every op and kernel) in ``<dump>/kernels_<label>.txt``."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = run.device.type == "cuda"
@@ -458,6 +531,10 @@ def kernel_table(run: Run, one, steps: int = 3, top: int = 15) -> list[str]:
         return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
 
     averages = list(prof.key_averages())
+    if run.dump is not None:
+        key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+        text = prof.key_averages().table(sort_by=key, row_limit=400, max_name_column_width=90)
+        (run.dump / f"kernels_{label}.txt").write_text(text)
     if cuda:  # the kernels themselves, not also the CPU ops that launched them
         kernels = [e for e in averages if str(getattr(e, "device_type", "")).endswith("CUDA")]
         averages = kernels or averages
@@ -467,11 +544,11 @@ def kernel_table(run: Run, one, steps: int = 3, top: int = 15) -> list[str]:
         f"| `{e.key[:70]}` | {e.count // steps} | {self_time(e) / steps / 1e3:.3f} |"
         for e in events
     ]
-    return [
+    header = [
         f"| kernel | calls/step | self ms/step (all: {total / 1e3:.2f}) |",
         "| --- | ---: | ---: |",
-        *rows,
     ]
+    return [*header, *rows], total / 1e3
 
 
 def adamw_alone(run: Run) -> str:
@@ -489,14 +566,24 @@ def adamw_alone(run: Run) -> str:
             "ft.optim.adamw (fused=None)": {},
             "ft.optim.adamw (fused=False)": {"fused": False},
         }
+    if hasattr(optim, "update_and_apply"):  # what a donated ft.train_step runs
+        choices = {"ft.optim.update_and_apply(adamw), as the step runs it": {"apply": True},
+                   **choices}  # fmt: skip
     for label, kw in choices.items():
+        kw = dict(kw)
+        apply = kw.pop("apply", False)
         opt = optim.adamw(6e-4, **ADAMW, mask=optim.decay_mask, **kw)
         box = {"params": params.clone(), "grads": grads.clone()}
         box["state"] = opt.init(box["params"])
         dst = list(box["grads"].values(True, True))
 
-        def ours(opt=opt, box=box, dst=dst):
+        def ours(opt=opt, box=box, dst=dst, apply=apply):
             torch._foreach_copy_(dst, src)
+            if apply:  # the kernel writes the params, as torch.optim's fused step does
+                _, box["state"] = optim.update_and_apply(
+                    opt, box["grads"], box["state"], box["params"], inplace=True
+                )
+                return
             updates, box["state"] = opt.update(
                 box["grads"], box["state"], box["params"], inplace=True
             )
@@ -540,46 +627,69 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiny", action="store_true", help="tiny sizes: a dry run of every part")
     p.add_argument("--no-compile", dest="compile", action="store_false",
                    help="skip the two compiles (and the compile check)")  # fmt: skip
+    p.add_argument("--only", choices=("checks", "bench"), default=None,
+                   help="run only the checks or only the bench (default: both)")  # fmt: skip
+    p.add_argument("--dump", default=None, metavar="DIR",
+                   help="write the profiler's whole kernel table of each eager step there")  # fmt: skip
+    p.add_argument("--apart", action="store_true",
+                   help="also bench the step given to torch.compile itself (backward apart)")  # fmt: skip
     p.add_argument("--results", default=None, metavar="FILE",
                    help="the RESULTS.md to write the GPU section into (default: benchmarks/"
                    "RESULTS.md on a GPU without --tiny; nothing otherwise)")  # fmt: skip
     args = p.parse_args(argv)
     if args.device is None:
         p.error("no CUDA device here; for a dry run on the CPU pass --device cpu --tiny")
-    run = Run(torch.device(args.device), args.tiny, args.compile)
+    device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:  # set_device wants an index (torch 2.11)
+        device = torch.device("cuda", torch.cuda.current_device())
+    run = Run(device, args.tiny, args.compile)
+    run.apart = args.apart
+    if args.dump:
+        run.dump = Path(args.dump)
+        run.dump.mkdir(parents=True, exist_ok=True)
     if run.device.type == "cuda":
         torch.cuda.set_device(run.device)
+    # a time limit's SIGTERM ends the run through `finally`: what was measured is still written
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("gpu.py: stopped by SIGTERM"))
     t0 = time.perf_counter()
     print(f"benchmarks/gpu.py on {machine()}", flush=True)
-    parts = [("transforms", check_transforms), ("offload", check_offload),
-             ("save/load", check_save_load), ("loader", check_loader), ("shard", check_shard),
-             ("memory plan", check_memory_plan)]  # fmt: skip
-    for name, fn in parts:
-        t = time.perf_counter()
-        try:
-            fn(run)
-        except Exception as e:  # noqa: BLE001 - a broken check is reported, the run goes on
-            run.check(
-                f"{name}: raised", f"{type(e).__name__}: {str(e).splitlines()[0][:120]}", "-", False
-            )
-        print(f"== {name}: {time.perf_counter() - t:.0f} s", flush=True)
-    t = time.perf_counter()
-    table, profiles = bench(run)
-    updates = adamw_alone(run)
-    print(table, updates, sep="\n\n")
-    print(
-        f"== bench: {time.perf_counter() - t:.0f} s; total {time.perf_counter() - t0:.0f} s",
-        flush=True,
-    )
-    target = args.results or (RESULTS if run.device.type == "cuda" and not run.tiny else None)
-    if target is not None:
-        write(run, Path(target), table, updates, profiles, time.perf_counter() - t0)
+    checks = [("transforms", check_transforms), ("offload", check_offload),
+              ("save/load", check_save_load), ("loader", check_loader), ("shard", check_shard),
+              ("memory plan", check_memory_plan)]  # fmt: skip
+    parts = {"checks": checks, "bench": [("bench", None), ("AdamW alone", None)]}
+    todo = [part for key in ("checks", "bench") if args.only in (None, key) for part in parts[key]]
+    table = updates = ""
+    profiles: list = []
+    try:
+        for name, fn in todo:
+            t = time.perf_counter()
+            try:
+                if name == "bench":
+                    table, profiles = bench(run)
+                    print(table, flush=True)
+                elif name == "AdamW alone":
+                    updates = adamw_alone(run)
+                    print(updates, flush=True)
+                else:
+                    fn(run)
+            except Exception as e:  # noqa: BLE001 - a broken part is reported, the run goes on
+                run.check(f"{name}: raised",
+                          f"{type(e).__name__}: {str(e).splitlines()[0][:120]}", "-", False)  # fmt: skip
+            print(f"== {name}: {time.perf_counter() - t:.0f} s", flush=True)
+    finally:
+        target = args.results or (RESULTS if run.device.type == "cuda" and not run.tiny else None)
+        if target is not None:
+            title = "GPU" if args.only is None else f"GPU ({args.only} only)"
+            write(run, Path(target), table, updates, profiles, time.perf_counter() - t0, title)
     failed = [r for r in run.rows if r.endswith("**FAIL** |")]
-    print(f"{len(run.rows) - len(failed)} of {len(run.rows)} checks passed")
+    print(f"{len(run.rows) - len(failed)} of {len(run.rows)} checks passed; "
+          f"{time.perf_counter() - t0:.0f} s in all")  # fmt: skip
     return 1 if failed else 0
 
 
-def write(run: Run, path: Path, table: str, updates: str, profiles, seconds: float) -> None:
+def write(
+    run: Run, path: Path, table: str, updates: str, profiles, seconds: float, title: str = "GPU"
+) -> None:
     name = torch.cuda.get_device_name(run.device) if run.device.type == "cuda" else "CPU dry run"
     body = [f"`python benchmarks/gpu.py{' --tiny' if run.tiny else ''}` on **{name}**; {machine()}; "
             f"{seconds:.0f} s in all.", "", "### Checks", "",
@@ -592,7 +702,7 @@ def write(run: Run, path: Path, table: str, updates: str, profiles, seconds: flo
     previous = _common.RESULTS
     _common.RESULTS = path
     try:
-        write_section("GPU", "\n".join(body))
+        write_section(title, "\n".join(body))
     finally:
         _common.RESULTS = previous
     print(f"wrote the GPU section of {path}")
