@@ -17,7 +17,7 @@ from ftrain.step import Step
 from ftrain.transforms.accumulate import Accumulate
 from ftrain.transforms.autocast import Autocast, LossScaled
 from ftrain.transforms.compile import Compile
-from ftrain.transforms.offload import Offload
+from ftrain.transforms.offload import Offload, offload_transform
 from ftrain.transforms.recompute import POLICIES, Checkpoint
 from ftrain.transforms.shard import Shard
 
@@ -207,7 +207,7 @@ def _compose(
     compile_ = next((t for t in step.transforms if isinstance(t, Compile)), None)
     ts = [t for t in step.transforms if not isinstance(t, replaced)]
     if offload != "none":
-        ts.append(Offload(offload))
+        ts.append(offload_transform(offload))
     if precision != "fp32":
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
         same = old_auto is not None and old_auto.dtype is dtype

@@ -154,7 +154,7 @@ def _conflict(x: Transform, y: Transform, rule: Rule) -> ValueError:
 
 
 def _twice(x: Transform, y: Transform, capability: str) -> ValueError:
-    if type(x) is type(y):
+    if x.name == y.name:  # one transform (in any of its classes, e.g. fp16 autocast)
         settings = [t.capabilities()[capability] for t in (x, y)]
         given = f": {settings[0]}, then {settings[1]}" if all(settings) else ""
         return ValueError(

@@ -6,7 +6,7 @@ from ftrain.transforms.compile import Compile, compile
 from ftrain.transforms.dp_sgd import DpSgd, dp_sgd
 from ftrain.transforms.ema import Ema, ema
 from ftrain.transforms.lora import Lora, lora, merge_lora
-from ftrain.transforms.offload import Offload, offload, offloaded
+from ftrain.transforms.offload import Offload, OffloadGradients, offload, offloaded
 from ftrain.transforms.recompute import Checkpoint, checkpoint
 from ftrain.transforms.shard import Shard, shard
 from ftrain.transforms.tensor_parallel import TensorParallel, tensor_parallel
@@ -23,6 +23,7 @@ __all__ = [
     "Ema",
     "Lora",
     "Offload",
+    "OffloadGradients",
     "Shard",
     "StaticLossScale",
     "TensorParallel",

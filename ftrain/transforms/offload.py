@@ -45,7 +45,7 @@ from ftrain.state import TrainState
 from ftrain.step import Gradients, Step, Transform
 from ftrain.step.capabilities import HOST_OPTIMIZER
 
-__all__ = ["Offload", "offload", "offloaded"]
+__all__ = ["Offload", "OffloadGradients", "offload", "offload_transform", "offloaded"]
 
 HOST = torch.device("cpu")
 MODES = ("optimizer", "optimizer+gradients")
@@ -134,7 +134,10 @@ def offloaded(inner: GradientTransformation) -> GradientTransformation:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Offload(Transform):
-    """The optimizer state on the host and the update run there (see :func:`offload`)."""
+    """The optimizer state on the host and the update run there (see :func:`offload`); mode
+    ``"optimizer"``. :class:`OffloadGradients` is the ``"optimizer+gradients"`` mode, which adds
+    the ``gradients`` hook (so ``explain()`` lists offload there only when it acts there);
+    :func:`offload_transform` builds the one a mode names."""
 
     mode: str = "optimizer"
 
@@ -146,6 +149,11 @@ class Offload(Transform):
                 f"ft.offload(step, mode={self.mode!r}): unknown mode; legal modes are "
                 f"{', '.join(repr(m) for m in MODES)} (the optimizer state and update on the "
                 "host; with '+gradients' the gradients copied there as soon as they are final)."
+            )
+        if self.mode != type(self).mode:
+            raise ValueError(
+                f"{type(self).__name__}(mode={self.mode!r}): this class is mode "
+                f"{type(self).mode!r}; build the transform with offload_transform(mode)."
             )
 
     def capabilities(self):
@@ -161,10 +169,25 @@ class Offload(Transform):
         pin = any(t.device.type == "cuda" for t in tree.leaves(state.params))
         return state.replace(opt_state=tree.unflatten(state.opt_state, _to_host(leaves, pin)))
 
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class OffloadGradients(Offload):
+    """:class:`Offload` in mode ``"optimizer+gradients"``: its ``gradients`` hook also copies the
+    gradients to the host as soon as they are final (after the reduction across processes)."""
+
+    mode: str = "optimizer+gradients"
+
+    name = "offload"
+
     def gradients(self, g: Gradients, state: TrainState) -> Gradients:
-        if self.mode != "optimizer+gradients":
-            return g
         return g._replace(grads=_grads_to_host(g.grads))
+
+
+def offload_transform(mode: str = "optimizer") -> Offload:
+    """The transform of :func:`offload` for ``mode``: :class:`Offload` or
+    :class:`OffloadGradients`; an unknown mode is a ``ValueError`` naming the legal ones."""
+    return OffloadGradients() if mode == OffloadGradients.mode else Offload(mode)
 
 
 @torch.compiler.disable
@@ -198,4 +221,4 @@ def offload(step: Step, mode: str = "optimizer") -> Step:
 
     Raises at build time: an unknown ``mode``; offload applied twice.
     """
-    return Offload(mode)(step)
+    return offload_transform(mode)(step)

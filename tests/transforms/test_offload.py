@@ -159,3 +159,16 @@ def test_under_shard_each_rank_offloads_its_own_shards():
         assert plain["state"].keys() == off["state"].keys()
         for path, t in plain["state"].items():
             assert torch.equal(off["state"][path], t), (strategy, path)
+
+
+def test_explain_lists_offload_at_the_gradients_hook_only_in_the_mode_that_acts_there():
+    model = tiny_gpt()
+    step = ft.train_step(lm_loss(model), ft.optim.adamw(1e-3))
+
+    def at_gradients(s) -> str:
+        return next(r for r in s.explain().splitlines() if r.split()[1:2] == ["gradients"])
+
+    assert at_gradients(ft.offload(step)).split()[-1] == "-"
+    assert at_gradients(ft.offload(step, "optimizer+gradients")).split()[-1] == "offload"
+    with pytest.raises(ValueError, match="offload_transform"):
+        ft.transforms.Offload("optimizer+gradients")
