@@ -170,7 +170,6 @@ class Offload(Transform):
         return state.replace(opt_state=tree.unflatten(state.opt_state, _to_host(leaves, pin)))
 
 
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class OffloadGradients(Offload):
     """:class:`Offload` in mode ``"optimizer+gradients"``: its ``gradients`` hook also copies the
