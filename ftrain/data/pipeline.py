@@ -44,6 +44,8 @@ class LoaderIterator(Iterator[Batch]):
 
     def __init__(self, loader: Loader):
         self._loader, self._closed = loader, False
+        if loader._active is not None:  # an earlier pass still open: its read-ahead threads may
+            stop_threads(loader._thread_nodes)  # be inside the source; stop them before it moves
         loader._active = self
         loader._source.start = (loader._epoch, loader._sample)
         self._threads = torch.get_num_threads()
