@@ -39,6 +39,7 @@ from ftrain.app.sinks import Sink, check_sink, make_sinks
 
 # The one import of the sharding helpers (the recipe composes the step with the public ft.shard).
 from ftrain.distributed import shard_state, unshard, unshard_state
+from ftrain.distributed.dtensor import is_dtensor
 from ftrain.io.sharded import is_sharded
 from ftrain.transforms import TensorParallel
 from ftrain.transforms.lora import join_base, split_base
@@ -87,11 +88,12 @@ def _train(cfg: TrainConfig, rank: int, world: int, sinks: Sequence[Sink]) -> di
     run = _Run(cfg, rank, world, out, recipe)
     state = recipe.state
     tp = next((t for t in recipe.step.transforms if isinstance(t, TensorParallel)), None)
-    if tp is not None:  # whole tensors -> this process's pieces, then split over the dp groups
+    born = any(is_dtensor(t) for t in ft.tree.leaves(state.params))  # gpt.born_sharded: laid out
+    if tp is not None and not born:  # whole tensors -> this process's pieces, then over dp groups
         state = tp.shard_state(state)
         if cfg.shard not in ("none", "ddp"):
             state = shard_state(state, cfg.shard, mesh=tp.mesh["dp"])
-    elif cfg.shard != "none":
+    elif cfg.shard != "none" and not born:
         state = shard_state(state, cfg.shard)  # whole tensors -> this process's layout
     state, start = _restore(run, state)  # each process reads only what it keeps
     log = run_folder.MetricsLog(out / "metrics.jsonl", start) if main else None

@@ -43,6 +43,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch import nn
 
 from ftrain import tree
@@ -50,7 +51,7 @@ from ftrain.apply import rewritten
 from ftrain.distributed.dtensor import is_dtensor, on_shards
 from ftrain.distributed.launch import require_group
 from ftrain.distributed.tensor_parallel.linear import PairCollectives, megatron
-from ftrain.distributed.tensor_parallel.mesh import check_tp_mesh, lay_out_state
+from ftrain.distributed.tensor_parallel.mesh import check_tp_mesh, lay_out, lay_out_state
 from ftrain.distributed.tensor_parallel.model import tp_copy
 from ftrain.distributed.tensor_parallel.plans import Split, resolve_plan
 from ftrain.distributed.tensor_parallel.sequence_region import (
@@ -135,6 +136,14 @@ class TensorParallel(Transform):
         pieces of the split parameters and of the optimizer moments and ``extra`` entries shaped
         like them; everything else whole. No traffic but a check that the params agree."""
         return lay_out_state(state, self.splits, self.mesh)
+
+    def lay_out_param(self, name: str, whole: torch.Tensor) -> torch.Tensor:
+        """One whole parameter (plain, the same on every process) as :meth:`shard_state` lays it
+        out: this process's piece of a split one, a replicated DTensor of an unsplit one, and one
+        the plan does not name left plain. For ``ft.distributed.sharded_init(...,
+        layout=tp.lay_out_param, mesh=tp.mesh["dp"])``: a state born laid out, never whole."""
+        split = self.splits.get(name)
+        return whole if split is None else lay_out(whole, split, self.mesh)
 
     # -- building -------------------------------------------------------------------------------
     def capabilities(self):

@@ -33,7 +33,7 @@ from ftrain.app.config import TrainConfig
 from ftrain.app.recipes import corpus, placement, rows, startup
 from ftrain.distributed.tensor_parallel.plans import plan_for
 from ftrain.models import GPT, GPTConfig, choose_matmul, generate
-from ftrain.transforms import Lora, offloaded
+from ftrain.transforms import Lora, TensorParallel, offloaded
 
 __all__ = [
     "Recipe",
@@ -48,6 +48,7 @@ __all__ = [
     "build_state",
     "build_model_and_state",
     "build_step",
+    "build_tensor_parallel",
     "data_dir",
     "eval_params",
     "generate_from",
@@ -85,8 +86,9 @@ def build(cfg: TrainConfig, *, rank: int = 0, world: int = 1, quiet: bool = Fals
     built = rows.build(cfg, rank=rank, world=world, quiet=quiet)
     cfg = rows.with_length(cfg, built.train, world)  # --epochs N -> max_steps, before the schedule
     opt = build_optimizer(cfg)
-    model, state = build_model_and_state(cfg, opt, world)
-    step = build_step(cfg, model, opt)
+    mesh = ft.distributed.tp_mesh(cfg.tp) if cfg.tp > 1 else None  # one mesh: state and step
+    model, state = build_model_and_state(cfg, opt, world, mesh=mesh)
+    step = build_step(cfg, model, opt, mesh=mesh)
     placement.release_params(model)  # the state holds the params: the template's go to meta
     about = startup.summary(cfg, built, state, world)
     return Recipe(model, step, step.init_extra(state), built.loader, built.valid, cfg, about)
@@ -198,27 +200,42 @@ def build_state(
 
 def born_sharded(cfg: TrainConfig, world: int) -> bool:
     """Whether the state is born as this process's fsdp shards (never whole on any process):
-    ``--shard fsdp`` over two or more processes, without ``--tp`` or ``--lora-rank`` (those lay
-    the state out from whole tensors)."""
-    return cfg.shard == "fsdp" and world > 1 and cfg.tp <= 1 and not cfg.lora_rank
+    ``--shard fsdp`` over two or more processes (with ``--tp``: its tensor-parallel pieces split
+    over the dp groups), without ``--lora-rank`` (LoRA lays its state out from whole tensors)."""
+    return cfg.shard == "fsdp" and world > 1 and not cfg.lora_rank
 
 
 def build_model_and_state(
-    cfg: TrainConfig, opt: optim.GradientTransformation, world: int = 1
+    cfg: TrainConfig, opt: optim.GradientTransformation, world: int = 1, *, mesh=None
 ) -> tuple[GPT, ft.TrainState]:
     """The model template and the state at step 0: :func:`build_model` on ``cfg.device`` and
     :func:`build_state`; or where :func:`born_sharded`, a template on ``meta`` and the state
-    from ``ft.distributed.sharded_init`` (this process's fsdp shards, the model never whole).
+    from ``ft.distributed.sharded_init`` (this process's fsdp shards, the model never whole;
+    with ``--tp``, laid out for tensor parallelism on ``mesh``, the ``("dp", "tp")`` mesh the
+    step uses, made here if not given).
 
-    **Invariant:** the born state is bitwise ``ft.shard_state(build_state(...), "fsdp")``."""
+    **Invariant:** the born state is bitwise ``ft.shard_state(build_state(...), "fsdp")``
+    (with ``--tp``: of ``tp.shard_state(build_state(...))`` over the mesh's ``dp``)."""
     if not born_sharded(cfg, world):
         model = build_model(cfg).to(cfg.device)
         return model, build_state(cfg, model, opt)
     config = model_config(resolve_matmul(cfg))
-    state = ft.distributed.sharded_init(lambda: GPT(config), opt, "fsdp", seed=cfg.seed)
     with torch.device("meta"):
         model = GPT(config)  # the template: ft.apply runs its code on the state's params
+    layout, dp = None, None
+    if cfg.tp > 1:
+        mesh = mesh if mesh is not None else ft.distributed.tp_mesh(cfg.tp)
+        layout, dp = build_tensor_parallel(cfg, model, mesh).lay_out_param, mesh["dp"]
+    state = ft.distributed.sharded_init(
+        lambda: GPT(config), opt, "fsdp", dp, seed=cfg.seed, layout=layout
+    )
     return model, state
+
+
+def build_tensor_parallel(cfg: TrainConfig, model: GPT, mesh) -> TensorParallel:
+    """The ``ft.tensor_parallel`` transform of ``--tp`` for ``model`` on ``mesh`` (``("dp",
+    "tp")``): the built-in GPT's plan, with ``--sequence-parallel``."""
+    return ft.tensor_parallel(model, plan_for(model), mesh, sequence_parallel=cfg.sequence_parallel)
 
 
 # -- optimizer --------------------------------------------------------------------------------
@@ -301,10 +318,11 @@ def eval_params(cfg: TrainConfig, state: ft.TrainState):
 
 # -- the step ---------------------------------------------------------------------------------
 def build_step(
-    cfg: TrainConfig, model: GPT, opt: optim.GradientTransformation, *, loss_fn=None
+    cfg: TrainConfig, model: GPT, opt: optim.GradientTransformation, *, loss_fn=None, mesh=None
 ) -> ft.Step:
     """The composition, in one place, innermost first (``loss_fn``: default ``make_loss_fn``;
-    the Hugging Face recipe passes its own).
+    the Hugging Face recipe passes its own; ``mesh``: the ``("dp", "tp")`` mesh of ``--tp``,
+    made here if not given).
 
     Autocast, checkpoint and accumulate act on different phases (the forward's precision, what it
     keeps for backward, how a batch is split), so their order among themselves does not matter.
@@ -334,9 +352,8 @@ def build_step(
     if cfg.offload != "none":  # before shard: each rank's ZeRO/fsdp optimizer offloads its shards
         step = ft.offload(step, cfg.offload)
     if cfg.tp > 1:  # the matrices over tp processes, the batch (and with zero/fsdp the state)
-        mesh = ft.distributed.tp_mesh(cfg.tp)  # over the dp groups
-        sp = cfg.sequence_parallel
-        step = ft.tensor_parallel(model, plan_for(model), mesh, sequence_parallel=sp)(step)
+        mesh = mesh if mesh is not None else ft.distributed.tp_mesh(cfg.tp)  # over the dp groups
+        step = build_tensor_parallel(cfg, model, mesh)(step)
         step = ft.shard(step, cfg.shard if cfg.shard != "none" else "ddp", mesh=mesh["dp"])
     elif cfg.shard != "none":
         step = ft.shard(step, cfg.shard)

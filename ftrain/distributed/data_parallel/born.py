@@ -24,7 +24,7 @@ from tensordict import TensorDictBase
 from torch import nn
 
 from ftrain import tree
-from ftrain.distributed.collectives import as_sharded
+from ftrain.distributed.data_parallel import dp_split
 from ftrain.distributed.data_parallel.init_record import InitRefused, record_init
 from ftrain.distributed.data_parallel.zero import SHARDED_FIELDS, check_strategy, shard_tree
 from ftrain.distributed.dtensor import from_local, is_dtensor, local, placements_of
@@ -43,6 +43,7 @@ def sharded_init(
     *,
     init: Callable[[str, torch.Tensor], None] | None = None,
     seed: int = 0,
+    layout: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
 ) -> TrainState:
     """A fresh state laid out for ``ft.shard(step, strategy)``, its params born as this
     process's shards: the whole model never exists on any process.
@@ -70,6 +71,12 @@ def sharded_init(
     the params and optimizer state plus one parameter whole (fsdp; the other strategies keep the
     params whole by definition, their optimizer state is born sharded). ``rng`` is ``seed``.
     Every process must pass the same ``seed`` (checked: one small collective).
+
+    **Tensor parallelism.** ``layout(name, whole)`` lays each whole parameter out before the
+    data-parallel split: pass ``tp.lay_out_param`` of an ``ft.tensor_parallel`` transform and
+    ``mesh=tp.mesh["dp"]``, and the state is bitwise ``ft.shard_state(tp.shard_state(whole),
+    strategy, mesh=tp.mesh["dp"])``, the model never whole on any process (each process keeps
+    its tensor-parallel piece of each parameter, split again over ``dp`` under fsdp).
     """
     strategy = check_strategy(strategy, "sharded_init")
     if not (isinstance(model, nn.Module) or callable(model)):
@@ -91,6 +98,11 @@ def sharded_init(
         )
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"ft.distributed.sharded_init(seed=...): must be an int, got {seed!r}.")
+    if layout is not None and not callable(layout):
+        raise TypeError(
+            "ft.distributed.sharded_init(layout=...): must be a function layout(name, whole) -> "
+            f"tensor (e.g. tp.lay_out_param), or None; got {type(layout).__name__}."
+        )
     if init is not None and not callable(init):
         raise TypeError(
             "ft.distributed.sharded_init(init=...): must be a function init(name, param) that "
@@ -106,9 +118,12 @@ def sharded_init(
     fsdp = "params" in SHARDED_FIELDS[strategy]
 
     def keep(name: str, whole: torch.Tensor) -> torch.Tensor:
-        if fsdp and whole.dim() > 0:
-            return _to_device(as_sharded(whole, mesh, copy=True), mesh.device_type)
-        return whole.clone().to(mesh.device_type)
+        t = whole if layout is None else layout(name, whole)
+        if fsdp and t.dim() > 0:  # this process's rows (a tensor-parallel piece: dp_split's rule)
+            return _to_device(dp_split.split(t, mesh, copy=True), mesh.device_type)
+        if t is whole:
+            return whole.clone().to(mesh.device_type)
+        return _to_device(t, mesh.device_type) if is_dtensor(t) else t.to(mesh.device_type)
 
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.default_generator.manual_seed(seed)  # the CPU generator only, as manual_seed sets it
@@ -135,9 +150,13 @@ def _born_optimizer(inner: GradientTransformation, strategy: str, mesh) -> Gradi
             params if "params" in SHARDED_FIELDS[strategy] else shard_tree(params, mesh, copy=False)
         )
         state = inner.init(shares)
+        # where shard_state puts a leaf: Shard(0) rows over mesh, or a parameter's own layout
+        # (a moment shaped like a tensor-parallel parameter)
+        laid = {_where(p) for p in tree.leaves(shares) if is_dtensor(p)}
         for path, t in zip(tree.paths(state), tree.leaves(state)):
+            rows = is_dtensor(t) and tuple(t.placements) == placements_of(t)
             if t.dim() > 0 and not (
-                is_dtensor(t) and tuple(t.placements) == placements_of(t) and t.device_mesh == mesh
+                (rows and t.device_mesh == mesh) or (is_dtensor(t) and _where(t) in laid)
             ):
                 raise ValueError(
                     f"ft.distributed.sharded_init: the optimizer's init made {path!r} "
@@ -148,6 +167,10 @@ def _born_optimizer(inner: GradientTransformation, strategy: str, mesh) -> Gradi
         return state
 
     return GradientTransformation(init, inner.update)
+
+
+def _where(t: torch.Tensor) -> tuple:
+    return tuple(t.shape), t.device_mesh, tuple(t.placements)
 
 
 def _check_same_seed(seed: int, mesh) -> None:

@@ -276,8 +276,15 @@ def _born_and_whole_on_this_rank(cfg):
         return local(t) if is_dtensor(t) else t
 
     opt = gpt.build_optimizer(cfg)
-    model, born = gpt.build_model_and_state(cfg, opt, world=2)
-    whole = shard_state(gpt.build_state(cfg, gpt.build_model(cfg), opt), "fsdp")
+    world = torch.distributed.get_world_size()
+    mesh = ft.distributed.tp_mesh(cfg.tp) if cfg.tp > 1 else None
+    model, born = gpt.build_model_and_state(cfg, opt, world=world, mesh=mesh)
+    whole = gpt.build_state(cfg, gpt.build_model(cfg), opt)
+    if mesh is None:
+        whole = shard_state(whole, "fsdp")
+    else:  # the loop's way: tensor-parallel pieces, then split over the dp groups
+        tp = gpt.build_tensor_parallel(cfg, gpt.build_model(cfg), mesh)
+        whole = shard_state(tp.shard_state(whole), "fsdp", mesh["dp"])
     same = all(
         type(a) is type(b) and torch.equal(mine(a), mine(b))
         for field in ("params", "opt_state")
@@ -297,3 +304,13 @@ def test_shard_fsdp_builds_the_state_born_sharded():
     assert not gpt.born_sharded(_config(["--shard", "zero2"]), 2)
     ranks = ft.distributed.run_distributed(_born_and_whole_on_this_rank, 2, cfg)
     assert ranks == [(True, True, True)] * 2
+
+
+def test_tp_with_shard_fsdp_builds_the_state_born_laid_out():
+    """--tp 2 --shard fsdp over 4 processes: born as each process's tensor-parallel pieces split
+    over the dp groups, bitwise the whole state laid out as the loop lays it out."""
+    cfg = _config(["--tp", "2", "--shard", "fsdp", "--seq-len", "16", "--d-model", "32",
+                   "--n-layer", "2", "--n-head", "2", "--seed", "5", "--device", "cpu"])  # fmt: skip
+    assert gpt.born_sharded(cfg, 4)
+    ranks = ft.distributed.run_distributed(_born_and_whole_on_this_rank, 4, cfg)
+    assert ranks == [(True, True, True)] * 4

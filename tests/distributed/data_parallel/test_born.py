@@ -148,3 +148,29 @@ def test_at_four_ranks_the_model_is_four_shards_and_birth_peaks_within_1_2x_of_o
         assert 3.9 * shard <= model <= 4.1 * shard
         assert peak <= 1.2 * shard, (peak, shard)
         assert same
+
+
+def _tensor_parallel_births():
+    from ftrain.distributed.tensor_parallel.plans import plan_for
+
+    mesh = ft.distributed.tp_mesh(2)  # 4 processes: 2 (dp) x 2 (tp)
+    with torch.device("meta"):
+        template = _gpt()
+    tp = ft.tensor_parallel(template, plan_for(template), mesh)
+    out = {}
+    for strategy in ("zero1", "fsdp"):
+        born = sharded_init(
+            _gpt, _adamw(), strategy, mesh["dp"], seed=SEED, layout=tp.lay_out_param
+        )
+        torch.manual_seed(SEED)
+        whole = ft.TrainState.create(ft.params_of(_gpt()), _adamw(), seed=SEED)
+        out[strategy] = _differences(born, shard_state(tp.shard_state(whole), strategy, mesh["dp"]))
+    return out
+
+
+def test_a_tensor_parallel_state_is_born_laid_out_bitwise():
+    """dp 2 x tp 2: each process's tensor-parallel pieces (split again over dp under fsdp) and
+    the optimizer state are those of the whole state laid out by tp.shard_state then
+    ft.shard_state, bitwise, keys, layouts and values."""
+    for rank in run_distributed(_tensor_parallel_births, 4):
+        assert rank == {"zero1": [], "fsdp": []}
