@@ -88,7 +88,8 @@ def _train(cfg: TrainConfig, rank: int, world: int, sinks: Sequence[Sink]) -> di
     run = _Run(cfg, rank, world, out, recipe)
     state = recipe.state
     tp = next((t for t in recipe.step.transforms if isinstance(t, TensorParallel)), None)
-    born = any(is_dtensor(t) for t in ft.tree.leaves(state.params))  # gpt.born_sharded: laid out
+    # gpt.born_sharded: the params laid out at birth (a LoRA run's base is; its adapters are not)
+    born = any(is_dtensor(t) for t in ft.tree.leaves(state.params))
     if tp is not None and not born:  # whole tensors -> this process's pieces, then over dp groups
         state = tp.shard_state(state)
         if cfg.shard not in ("none", "ddp"):

@@ -293,6 +293,29 @@ def test_resume_on_another_number_of_processes_continues_the_same_run(tmp_path, 
                                           _losses(tmp_path / "full2").values())) <= 1e-5  # fmt: skip
 
 
+def test_lora_with_fsdp_equals_one_process_and_resumes_on_one(tmp_path, tiny_run):
+    """`ftrain train --lora-rank 2 --shard fsdp` on 2 processes (the frozen base born as each
+    process's rows, the adapters and their optimizer state sharded) logs the losses of one
+    process given the same global batch (to 1e-5); its step-3 checkpoint resumed on one process
+    continues the same run."""
+    common = [*tiny_run, "--lora-rank", "2", "--lr", "1e-2", "--batch-size", "2",
+              "--global-batch-size", "4", "--decay-steps", "6", "--save-every", "3"]  # fmt: skip
+
+    def cfg(out, steps, *more):
+        return _config([*common, "--out", str(tmp_path / out), "--max-steps", str(steps), *more])
+
+    ft.distributed.run_distributed(
+        _train_each, 2, [cfg("fsdp", 6, "--shard", "fsdp"), cfg("part", 3, "--shard", "fsdp")]
+    )
+    train(cfg("one", 6))
+    train(cfg("part", 6, "--resume"))
+    want = _losses(tmp_path / "one")
+    for run in ("fsdp", "part"):
+        got = _losses(tmp_path / run)
+        assert sorted(got) == list(range(1, 7))
+        assert max(abs(got[s] - want[s]) for s in want) <= 1e-5, run
+
+
 def test_tp_run_equals_one_process_and_resumes_on_one(tmp_path, tiny_run):
     """`ftrain train --tp 2` on 2 processes (the GPT's matrices split, the same rows on both)
     logs the 1-process run's losses (to 1e-5), evaluating and saving on the way; its step-3

@@ -201,8 +201,8 @@ def build_state(
 def born_sharded(cfg: TrainConfig, world: int) -> bool:
     """Whether the state is born as this process's fsdp shards (never whole on any process):
     ``--shard fsdp`` over two or more processes (with ``--tp``: its tensor-parallel pieces split
-    over the dp groups), without ``--lora-rank`` (LoRA lays its state out from whole tensors)."""
-    return cfg.shard == "fsdp" and world > 1 and not cfg.lora_rank
+    over the dp groups; with ``--lora-rank``: the frozen base, the adapters being small)."""
+    return cfg.shard == "fsdp" and world > 1
 
 
 def build_model_and_state(
@@ -215,7 +215,8 @@ def build_model_and_state(
     step uses, made here if not given).
 
     **Invariant:** the born state is bitwise ``ft.shard_state(build_state(...), "fsdp")``
-    (with ``--tp``: of ``tp.shard_state(build_state(...))`` over the mesh's ``dp``)."""
+    (with ``--tp``: of ``tp.shard_state(build_state(...))`` over the mesh's ``dp``; with
+    ``--lora-rank``, once the loop has sharded the adapters)."""
     if not born_sharded(cfg, world):
         model = build_model(cfg).to(cfg.device)
         return model, build_state(cfg, model, opt)
@@ -226,6 +227,12 @@ def build_model_and_state(
     if cfg.tp > 1:
         mesh = mesh if mesh is not None else ft.distributed.tp_mesh(cfg.tp)
         layout, dp = build_tensor_parallel(cfg, model, mesh).lay_out_param, mesh["dp"]
+    lora = build_lora(cfg, model)
+    if lora is not None:  # the frozen base born sharded; the adapters whole (the loop shards them)
+        base = ft.distributed.sharded_init(
+            lambda: GPT(config), optim.identity(), "fsdp", dp, seed=cfg.seed, layout=layout
+        ).params
+        return model, lora.init_state(base, opt, seed=cfg.seed)
     state = ft.distributed.sharded_init(
         lambda: GPT(config), opt, "fsdp", dp, seed=cfg.seed, layout=layout
     )

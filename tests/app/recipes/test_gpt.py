@@ -282,12 +282,13 @@ def _born_and_whole_on_this_rank(cfg):
     whole = gpt.build_state(cfg, gpt.build_model(cfg), opt)
     if mesh is None:
         whole = shard_state(whole, "fsdp")
+        born = shard_state(born, "fsdp")  # as the loop does: a LoRA run's adapters (no-op else)
     else:  # the loop's way: tensor-parallel pieces, then split over the dp groups
         tp = gpt.build_tensor_parallel(cfg, gpt.build_model(cfg), mesh)
         whole = shard_state(tp.shard_state(whole), "fsdp", mesh["dp"])
     same = all(
         type(a) is type(b) and torch.equal(mine(a), mine(b))
-        for field in ("params", "opt_state")
+        for field in ("params", "opt_state", "extra")
         for a, b in zip(
             ft.tree.leaves(getattr(born, field)), ft.tree.leaves(getattr(whole, field)), strict=True
         )
@@ -302,6 +303,16 @@ def test_shard_fsdp_builds_the_state_born_sharded():
                    "--n-head", "2", "--seed", "5", "--device", "cpu"])  # fmt: skip
     assert gpt.born_sharded(cfg, 2) and not gpt.born_sharded(cfg, 1)
     assert not gpt.born_sharded(_config(["--shard", "zero2"]), 2)
+    ranks = ft.distributed.run_distributed(_born_and_whole_on_this_rank, 2, cfg)
+    assert ranks == [(True, True, True)] * 2
+
+
+def test_lora_with_shard_fsdp_builds_its_frozen_base_born_sharded():
+    """--lora-rank with --shard fsdp over 2 processes: the frozen base (state.extra["lora"]) born
+    as each process's rows; once the loop has sharded the adapters, bitwise the whole way."""
+    cfg = _config(["--shard", "fsdp", "--lora-rank", "2", "--seq-len", "16", "--d-model", "32",
+                   "--n-layer", "2", "--n-head", "2", "--seed", "5", "--device", "cpu"])  # fmt: skip
+    assert gpt.born_sharded(cfg, 2)
     ranks = ft.distributed.run_distributed(_born_and_whole_on_this_rank, 2, cfg)
     assert ranks == [(True, True, True)] * 2
 
