@@ -12,6 +12,7 @@ parallelism, the vocabulary-parallel loss). The ``ft.shard`` and
 """
 
 from ftrain.distributed.data_parallel.born import sharded_init
+from ftrain.distributed.data_parallel.born_loaded import NotLaidOut, sharded_params_from_files
 from ftrain.distributed.data_parallel.fsdp import track_gathered
 from ftrain.distributed.data_parallel.zero import (
     STRATEGIES,
@@ -80,6 +81,8 @@ __all__ = [
     "sequence_dropout",
     "shard_state",
     "sharded_init",
+    "sharded_params_from_files",
+    "NotLaidOut",
     "split_sequence",
     "sum_partial_grads",
     "track_gathered",

@@ -15,7 +15,7 @@ from ftrain.models.gpt import (
     choose_matmul,
     document_mask,
 )
-from ftrain.models.hf import load_causal_lm, tiny_gpt2
+from ftrain.models.hf import empty_causal_lm, load_causal_lm, tiny_gpt2
 from ftrain.models.moe import MoE
 from ftrain.models.onednn import Linear, faster_linear, linear, onednn_linear_available
 from ftrain.models.sample import generate
@@ -28,6 +28,7 @@ __all__ = [
     "CausalSelfAttention",
     "MLP",
     "MoE",
+    "empty_causal_lm",
     "document_mask",
     "generate",
     "num_params",

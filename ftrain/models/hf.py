@@ -113,6 +113,33 @@ def load_causal_lm(
     return model.train()
 
 
+def empty_causal_lm(
+    model_dir: str | os.PathLike, *, attn_implementation: str | None = None
+) -> nn.Module:
+    """The model of ``model_dir``'s ``config.json`` with its parameters on the ``meta`` device
+    (no memory, no weights read) and its buffers real: a template for ``ft.apply`` whose params
+    come from elsewhere (``ft.distributed.sharded_params_from_files``: each process's rows).
+    Otherwise as :func:`load_causal_lm`: the same class and parameter names, float32, training
+    mode, the KV cache off, ``attn_implementation``; local files only, no remote code."""
+    from ftrain.internals.meta_params import params_on_meta
+
+    path = Path(model_dir)
+    check_model_dir(path)
+    check_attn_implementation(attn_implementation)
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError as e:
+        raise ImportError(
+            f"empty_causal_lm({str(path)!r}) needs transformers: pip install 'ftrain[hf]'"
+        ) from e
+    config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    attn = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    with params_on_meta():
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **attn)
+    model.config.use_cache = False
+    return model.train()
+
+
 def check_model_dir(path: str | os.PathLike) -> Path:
     """``path`` as a Path if it holds a ``save_pretrained`` model (``config.json`` and
     safetensors weights), else a FileNotFoundError that says what is missing (for ``--model-dir``)."""

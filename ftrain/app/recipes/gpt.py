@@ -185,17 +185,19 @@ def build_lora(cfg: TrainConfig, model: torch.nn.Module) -> Lora | None:
 
 
 def build_state(
-    cfg: TrainConfig, model: torch.nn.Module, opt: optim.GradientTransformation
+    cfg: TrainConfig, model: torch.nn.Module, opt: optim.GradientTransformation, params=None
 ) -> ft.TrainState:
-    """The state at step 0: ``model``'s params and ``opt``'s state, or with ``--lora-rank`` the
-    adapters as the params (the model's own frozen in ``state.extra["lora"]``). With
-    ``--offload`` the optimizer state is created on the host: it never takes device memory."""
+    """The state at step 0: ``model``'s params (or ``params``, e.g. this process's shards read
+    from the files) and ``opt``'s state, or with ``--lora-rank`` the adapters as the params (the
+    model's own frozen in ``state.extra["lora"]``). With ``--offload`` the optimizer state is
+    created on the host: it never takes device memory."""
     if cfg.offload != "none":
         opt = offloaded(opt)
+    params = ft.params_of(model) if params is None else params
     lora = build_lora(cfg, model)
     if lora is not None:
-        return lora.init_state(ft.params_of(model), opt, seed=cfg.seed)
-    return ft.TrainState.create(ft.params_of(model), opt, seed=cfg.seed)
+        return lora.init_state(params, opt, seed=cfg.seed)
+    return ft.TrainState.create(params, opt, seed=cfg.seed)
 
 
 def born_sharded(cfg: TrainConfig, world: int) -> bool:

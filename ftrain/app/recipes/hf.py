@@ -26,8 +26,8 @@ import ftrain as ft
 from ftrain import data
 from ftrain.app.config import TrainConfig
 from ftrain.app.recipes import gpt, placement, rows, startup
-from ftrain.models import load_causal_lm
-from ftrain.models.hf import check_model_dir
+from ftrain.models import empty_causal_lm, load_causal_lm
+from ftrain.models.hf import check_model_dir, weight_files
 
 __all__ = ["build", "build_model", "context_length", "make_loss_fn", "sample_text"]
 
@@ -40,11 +40,15 @@ def build(cfg: TrainConfig, *, rank: int = 0, world: int = 1, quiet: bool = Fals
     cfg = placement.resolve(cfg)
     check_model_dir(cfg.model_dir)  # the folder first: then its tokenizer, then the model
     tokenizer = data.load_tokenizer(cfg.model_dir)
-    model = build_model(cfg, tokenizer).to(cfg.device)
+    params = None
+    if gpt.born_sharded(cfg, world) and cfg.tp <= 1:  # each process reads its rows only
+        model, params = born_model_and_params(cfg, tokenizer, quiet)
+    if params is None:
+        model = build_model(cfg, tokenizer).to(cfg.device)
     built = rows.build(cfg, rank=rank, world=world, quiet=quiet, tokenizer=tokenizer)
     cfg = rows.with_length(cfg, built.train, world)  # --epochs N -> max_steps, before the schedule
     opt = gpt.build_optimizer(cfg)
-    state = gpt.build_state(cfg, model, opt)
+    state = gpt.build_state(cfg, model, opt, params)
     step = gpt.build_step(cfg, model, opt, loss_fn=make_loss_fn(model))
     placement.release_params(model)  # the state holds the params: the template's go to meta
     about = startup.summary(cfg, built, state, world)
@@ -61,11 +65,38 @@ def context_length(model: nn.Module) -> int | None:
     return None
 
 
+def born_model_and_params(cfg: TrainConfig, tokenizer, quiet: bool):
+    """Under ``--shard fsdp`` on several processes: the template (``empty_causal_lm``: params on
+    meta, buffers on ``cfg.device``), checked as :func:`build_model` checks it, and this
+    process's fsdp rows of each weight read from the folder's files (``ft.distributed.
+    sharded_params_from_files``), the model never whole. Files that do not name the module's
+    parameters give ``(None, None)``: the caller loads whole, then shards (said once)."""
+    model = check_model(
+        cfg, empty_causal_lm(cfg.model_dir, attn_implementation=cfg.attn_implementation), tokenizer
+    )
+    for module in model.modules():  # the template's buffers (rotary tables...) where it runs
+        for name, b in module.named_buffers(recurse=False):
+            setattr(module, name, b.to(cfg.device))
+    try:
+        return model, ft.distributed.sharded_params_from_files(model, weight_files(cfg.model_dir))
+    except ft.distributed.NotLaidOut as e:
+        if not quiet:
+            print(f"ftrain train: note: --model-dir {cfg.model_dir}: {e}; each process loads "
+                  "the whole model, then keeps its shards", flush=True)  # fmt: skip
+        return None, None
+
+
 def build_model(cfg: TrainConfig, tokenizer=None) -> nn.Module:
     """The model of ``cfg.model_dir`` (``load_causal_lm``: float32, training mode), checked
-    against the run: ``--seq-len`` within its context, its vocabulary holding the tokenizer's
-    ids, and ``--pack`` only for a model whose forward takes ``position_ids``."""
+    against the run (:func:`check_model`)."""
     model = load_causal_lm(cfg.model_dir, attn_implementation=cfg.attn_implementation)
+    return check_model(cfg, model, tokenizer)
+
+
+def check_model(cfg: TrainConfig, model: nn.Module, tokenizer=None) -> nn.Module:
+    """``model`` checked against the run: ``--seq-len`` within its context, its vocabulary
+    holding the tokenizer's ids, and ``--pack`` only for a model whose forward takes
+    ``position_ids``. Returns ``model``."""
     limit = context_length(model)
     if limit is not None and cfg.seq_len > limit:
         raise ValueError(

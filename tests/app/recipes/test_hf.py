@@ -128,3 +128,57 @@ def test_build_model_checks_the_run_against_the_folder(folders, tmp_path):
         hf.build_model(TrainConfig(model_dir=str(gpt2), seq_len=100))
     with pytest.raises(FileNotFoundError, match="--model-dir .*no config.json"):
         hf.build(TrainConfig(model_dir=str(tmp_path)))
+
+
+def _train_each(cfgs):
+    from ftrain.app.loop import train
+
+    return [train(cfg)["step"] for cfg in cfgs]
+
+
+def _config(args):
+    from ftrain.app.cli import parser
+    from ftrain.app.config import from_args
+
+    return from_args(parser().parse_args(["train", *args]))
+
+
+def _built_on_this_rank(cfg):
+    """What hf.build made: are the params this process's rows (DTensors), the template's params
+    on meta and its buffers real?"""
+    from ftrain.distributed.dtensor import is_dtensor
+
+    recipe = hf.build(cfg, rank=torch.distributed.get_rank(), world=2, quiet=True)
+    rows = all(is_dtensor(t) for t in ft.tree.leaves(recipe.state.params))
+    return (
+        rows,
+        all(p.is_meta for p in recipe.model.parameters()),
+        any(b.is_meta for b in recipe.model.buffers()),
+    )
+
+
+def test_fsdp_on_two_processes_reads_each_ones_rows_and_equals_one_process(folders, tmp_path):
+    """`--model-dir M --shard fsdp` on 2 processes: each reads only its rows of the weights
+    (the template's params on meta) and the run logs one process's losses (to 1e-5), with
+    `--lora-rank 2` too (the frozen base read as rows)."""
+    _, llama, chats = folders
+
+    def cfg(name, *more):
+        flags = _flags(llama, chats, tmp_path / name, "--max-steps", "3", "--batch-size", "2",
+                       "--global-batch-size", "4", *more)  # fmt: skip
+        return _config(flags)
+
+    built = ft.distributed.run_distributed(_built_on_this_rank, 2, cfg("built", "--shard", "fsdp"))
+    assert built == [(True, True, False)] * 2
+    ft.distributed.run_distributed(
+        _train_each,
+        2,
+        [cfg("fsdp", "--shard", "fsdp"), cfg("lora", "--shard", "fsdp", "--lora-rank", "2")],
+    )
+    for name, more in (("fsdp", ()), ("lora", ("--lora-rank", "2"))):
+        from ftrain.app.loop import train
+
+        train(cfg(name + "-one", *more))
+        got, want = _losses(tmp_path / name / "run"), _losses(tmp_path / (name + "-one") / "run")
+        assert len(got) == len(want) == 3
+        assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-5, (name, got, want)
