@@ -95,17 +95,9 @@ def load_causal_lm(
         ImportError: ``transformers`` is not installed (``pip install 'ftrain[hf]'``).
         ValueError: an ``attn_implementation`` that is not offered or not installed.
     """
-    path = Path(model_dir)
-    check_model_dir(path)
-    check_attn_implementation(attn_implementation)
-    try:
-        from transformers import AutoModelForCausalLM
-    except ImportError as e:
-        raise ImportError(
-            f"load_causal_lm({str(path)!r}) needs transformers: pip install 'ftrain[hf]'"
-        ) from e
+    path, transformers = _checked("load_causal_lm", model_dir, attn_implementation)
     attn = {"attn_implementation": attn_implementation} if attn_implementation else {}
-    model = AutoModelForCausalLM.from_pretrained(
+    model = transformers.AutoModelForCausalLM.from_pretrained(
         path, local_files_only=True, dtype=dtype, use_safetensors=True, trust_remote_code=False,
         **attn,
     )  # fmt: skip
@@ -123,21 +115,30 @@ def empty_causal_lm(
     mode, the KV cache off, ``attn_implementation``; local files only, no remote code."""
     from ftrain.internals.meta_params import params_on_meta
 
+    path, transformers = _checked("empty_causal_lm", model_dir, attn_implementation)
+    config = transformers.AutoConfig.from_pretrained(
+        path, local_files_only=True, trust_remote_code=False
+    )
+    attn = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    with params_on_meta():
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, **attn)
+    model.config.use_cache = False
+    return model.train()
+
+
+def _checked(fn: str, model_dir, attn_implementation):
+    """``(path, transformers)`` for ``fn(model_dir)``: the folder and the attention kernel
+    checked (their errors), ``transformers`` imported (an ImportError naming the extra)."""
     path = Path(model_dir)
     check_model_dir(path)
     check_attn_implementation(attn_implementation)
     try:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        import transformers
     except ImportError as e:
         raise ImportError(
-            f"empty_causal_lm({str(path)!r}) needs transformers: pip install 'ftrain[hf]'"
+            f"{fn}({str(path)!r}) needs transformers: pip install 'ftrain[hf]'"
         ) from e
-    config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
-    attn = {"attn_implementation": attn_implementation} if attn_implementation else {}
-    with params_on_meta():
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **attn)
-    model.config.use_cache = False
-    return model.train()
+    return path, transformers
 
 
 def check_model_dir(path: str | os.PathLike) -> Path:
