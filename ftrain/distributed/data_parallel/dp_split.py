@@ -60,6 +60,7 @@ __all__ = [
     "reduce_scatter",
     "unreduced",
     "all_reduce_whole",
+    "moved_shape",
 ]
 
 
@@ -182,7 +183,7 @@ def gather_pieces(ts: Sequence[torch.Tensor], mesh) -> list[torch.Tensor]:
     for idx in by_dtype([ts[i] for i in split_ids]).values():
         chosen = [ts[split_ids[j]] for j in idx]
         dims = [dp_dim(t) for t in chosen]
-        shapes = tuple(torch.Size(_moved(piece_shape(t), k)) for t, k in zip(chosen, dims))
+        shapes = tuple(torch.Size(moved_shape(piece_shape(t), k)) for t, k in zip(chosen, dims))
         whole = layout(shapes, mesh.size()).all_gather(
             [local(t).movedim(k, 0) for t, k in zip(chosen, dims)], rank, group
         )
@@ -191,7 +192,9 @@ def gather_pieces(ts: Sequence[torch.Tensor], mesh) -> list[torch.Tensor]:
     return out  # type: ignore[return-value]
 
 
-def _moved(shape, k: int) -> list[int]:
+def moved_shape(shape, k: int) -> list[int]:
+    """``shape`` with dimension ``k`` moved first (``movedim(k, 0)``'s shape): the rows that
+    :func:`split` cuts along the dimension ``dp`` splits."""
     s = list(shape)
     return [s[k], *s[:k], *s[k + 1 :]]
 

@@ -3,8 +3,10 @@
 **Rule:** :func:`gather_ahead` and :func:`reduce_scatter_ahead` send exactly what
 ``dp_split.gather_pieces`` and ``dp_split.reduce_scatter`` send (the same flat buffers, built the
 same way, one collective per dtype), only with ``async_op=True``: the results are the same bits,
-and the caller's compute runs while the backend moves them. Groups these cannot start early (a
-tensor-parallel layout, 0-d tensors) run the blocking functions at once, so every group works.
+and the caller's compute runs while the backend moves them; rows along dimension 0, or under
+tensor parallelism along the dimension ``dp`` splits in each tensor-parallel piece. Groups these
+cannot start early (plain and tensor-parallel tensors mixed, 0-d tensors) run the blocking
+functions at once, so every group works.
 
 **When** (fsdp's session with ``prefetch``). In forward, a block's gather starts the next
 block's (the root's starts the first block's); in backward, a group's regather starts the one
@@ -120,31 +122,47 @@ def _collective(name: str, fallback):
     return getattr(dist, name, None) or fallback
 
 
+def _tp_split_on(ts: Sequence[torch.Tensor], mesh) -> bool:
+    """Whether every tensor is a tensor-parallel DTensor split over ``mesh`` (its ``dp``
+    dimension): fsdp's params under ``ft.tensor_parallel``."""
+    return bool(ts) and all(dp_split.is_tp_laid(t) and dp_split.is_split(t, mesh) for t in ts)
+
+
 def gather_ahead(shards: Sequence[torch.Tensor], mesh) -> Pending:
-    """Start ``dp_split.gather_pieces(shards, mesh)``; ``wait()`` gives its whole tensors."""
-    if not _rows_on(shards, mesh):  # not startable early: gathered now
+    """Start ``dp_split.gather_pieces(shards, mesh)``; ``wait()`` gives its whole tensors (a
+    tensor-parallel DTensor's: its ``tp`` piece, whole over ``dp``)."""
+    tp = _tp_split_on(shards, mesh)
+    if not (tp or _rows_on(shards, mesh)):  # not startable early: gathered now
         whole = dp_split.gather_pieces(shards, mesh)
         return Pending([], lambda: whole)
     rank, group = mesh.get_local_rank(), mesh.get_group()
     all_gather = _collective("all_gather_single", dist.all_gather_into_tensor)
     works, cuts, sends = [], [], []
     for idx in by_dtype(shards).values():
-        pieces = [local(shards[i]) for i in idx]
-        lay = layout(tuple(shards[i].shape for i in idx), mesh.size())
+        # rows along dimension 0, or along the dimension dp splits (moved first), as dp_split
+        dims = [dp_split.dp_dim(shards[i]) if tp else 0 for i in idx]
+        pieces = [local(shards[i]).movedim(k, 0) for i, k in zip(idx, dims)]
+        shapes = tuple(
+            torch.Size(dp_split.moved_shape(dp_split.piece_shape(shards[i]), k))
+            if tp
+            else shards[i].shape
+            for i, k in zip(idx, dims)
+        )
+        lay = layout(shapes, mesh.size())
         send = lay.gather_send(pieces, rank)  # (segment,)
         out = send.new_empty(lay.world * lay.segment)  # (W * segment,)
         works.append(all_gather(out, send, group=group, async_op=True))
-        cuts.append((idx, lay, out))
+        cuts.append((idx, dims, lay, out))
         sends.append(send)
 
     def finish() -> list[torch.Tensor]:
         whole: list = [None] * len(shards)
-        for idx, lay, out in cuts:
-            for i, w in zip(idx, lay.gathered(out)):
-                whole[i] = w
+        for idx, dims, lay, out in cuts:
+            for i, k, w in zip(idx, dims, lay.gathered(out)):
+                whole[i] = w.movedim(0, k).contiguous() if tp else w
         return whole
 
-    return Pending(works, finish, sends, [out for _, _, out in cuts])
+    return Pending(works, finish, sends, [out for *_, out in cuts])
 
 
 def reduce_scatter_ahead(
@@ -152,7 +170,8 @@ def reduce_scatter_ahead(
 ) -> tuple[list[torch.Tensor], Pending]:
     """Start ``dp_split.reduce_scatter(grads, refs, mesh)``: its shards now, as DTensors over
     buffers that hold the sums only once the returned :class:`Pending` is waited."""
-    if not _rows_on(refs, mesh):  # not startable early: reduced now
+    tp = _tp_split_on(refs, mesh)
+    if not (tp or _rows_on(refs, mesh)):  # not startable early: reduced now
         out = dp_split.reduce_scatter(grads, refs, mesh)
         return out, Pending([], lambda: out)
     rank, group = mesh.get_local_rank(), mesh.get_group()
@@ -161,14 +180,21 @@ def reduce_scatter_ahead(
     shards: list = [None] * len(grads)
     works, sends = [], []
     for idx in by_dtype(grads).values():
-        chosen = [grads[i].contiguous() for i in idx]
+        dims = [dp_split.dp_dim(refs[i]) if tp else 0 for i in idx]
+        chosen = [grads[i].movedim(k, 0).contiguous() for i, k in zip(idx, dims)]
         lay = layout(tuple(t.shape for t in chosen), mesh.size())
         send = lay.scatter_send(chosen)  # (W * segment,)
         out = send.new_empty(lay.segment)  # (segment,): filled when the work is done
         works.append(reduce_scatter(out, send, group=group, async_op=True))
         sends.append(send)
-        for i, t, p in zip(idx, chosen, lay.scattered(out, rank)):
-            shards[i] = from_local(p, mesh, row, t.shape, t.stride())
+        for i, k, t, p in zip(idx, dims, chosen, lay.scattered(out, rank)):
+            if not tp:
+                shards[i] = from_local(p, mesh, row, t.shape, t.stride())
+                continue
+            r = refs[i]  # a view of the buffer, laid out as dp_split.reduce_scatter lays it
+            shards[i] = from_local(
+                p.movedim(0, k), r.device_mesh, dp_split.split_placements(r), r.shape, r.stride()
+            )
     return shards, Pending(works, lambda: shards, sends)
 
 

@@ -51,7 +51,9 @@ def _one_process(compose=None):
     return state
 
 
-def _train(strategy, compose=None, *, inner=False, path=None, layout_only=False, sp=False):
+def _train(
+    strategy, compose=None, *, inner=False, path=None, layout_only=False, sp=False, prefetch=True
+):
     """``STEPS`` steps on the 2 x 2 mesh: tensor parallel over tp, ``strategy`` over dp.
     ``inner``: shard wrapped inside tensor_parallel (the other order). ``layout_only``: the
     fresh state as laid out, no step. ``sp``: with sequence parallelism over tp."""
@@ -61,7 +63,10 @@ def _train(strategy, compose=None, *, inner=False, path=None, layout_only=False,
     dp = mesh["dp"]
     tp = ft.tensor_parallel(model, gpt_plan(), mesh, sequence_parallel=sp)
     step = _step(opt, compose, model)
-    step = tp(ft.shard(step, strategy, mesh=dp)) if inner else ft.shard(tp(step), strategy, mesh=dp)
+    if inner:
+        step = tp(ft.shard(step, strategy, mesh=dp, prefetch=prefetch))
+    else:
+        step = ft.shard(tp(step), strategy, mesh=dp, prefetch=prefetch)
     state = ft.shard_state(tp.shard_state(step.init_extra(state)), strategy, mesh=dp)
     if layout_only:
         return state
@@ -78,6 +83,8 @@ def _train(strategy, compose=None, *, inner=False, path=None, layout_only=False,
 def _four_ranks(path):
     out = {s: _train(s) for s in ("zero1", "zero2")}
     out["fsdp"] = _train("fsdp", path=path)
+    out["fsdp no prefetch"] = _train("fsdp", prefetch=False)
+    out["fsdp fp32 no prefetch"] = _train("fsdp", "fp32", prefetch=False)
     out["fsdp inner"] = _train("fsdp", inner=True)
     out["fsdp fp32"] = _train("fsdp", "fp32")
     out["zero2 fp32"] = _train("zero2", "fp32")
@@ -126,6 +133,16 @@ def test_zero_and_fsdp_over_dp_equal_one_process(four):
             assert max_tree_diff(r[name].params, ranks[0][name].params) == 0, name
         assert max_tree_diff(ranks[0][name].params, want.params) <= 1e-5, name
         assert max_tree_diff(ranks[0][name].opt_state, want.opt_state) <= 1e-5, name
+
+
+def test_prefetch_under_tensor_parallelism_changes_no_bit(four):
+    """fsdp's gathers and reduce-scatters of tensor-parallel pieces, issued ahead (async), send
+    the same buffers as the blocking ones: the same bits, alone and with the fp32 composition."""
+    _, ranks = four
+    for r in ranks:
+        for on, off in (("fsdp", "fsdp no prefetch"), ("fsdp fp32", "fsdp fp32 no prefetch")):
+            assert max_tree_diff(r[on].params, r[off].params) == 0, on
+            assert max_tree_diff(r[on].opt_state, r[off].opt_state) == 0, on
 
 
 def test_fsdp_over_dp_composes_with_accumulate_checkpoint_and_bf16(four):
