@@ -129,6 +129,9 @@ class _Recorder(TorchDispatchMode):
         self.storages: dict[int, torch.UntypedStorage] = {}  # keeps every key's storage alive
         self._skipping = {fn.__code__: (fn, names) for fn, names in _SKIP_META.items()}
         self._watched = frozenset(self._skipping) | frozenset(_RESEEDS)
+        # the frame of a watched init recorded as one op: the ops it runs on meta itself (a
+        # torch that does not skip meta there, e.g. 2.11's orthogonal_) are not recorded again
+        self._inside = None
 
     def called(self, frame, event: str, arg) -> None:
         """A profile hook (``sys.setprofile``, so it runs on every call: the common case
@@ -137,6 +140,10 @@ class _Recorder(TorchDispatchMode):
         if event == "call":
             if frame.f_code not in self._watched:
                 return
+        elif event == "return":
+            if frame is self._inside:
+                self._inside = None
+            return
         elif event != "c_call" or getattr(arg, "__self__", None) is not torch.default_generator:
             return
         if _reseeds(frame, event, arg):
@@ -162,8 +169,12 @@ class _Recorder(TorchDispatchMode):
         how = "overwrite" if fn is not nn.init.dirac_ and _covers_storage(t) else "use"
         call = functools.partial(fn, **{n: values[n] for n in names})
         self.ops.append(_Op(call, (t,), {}, {_key(t): how}, True, []))
+        if self._inside is None:
+            self._inside = frame
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self._inside is not None:  # inside an init recorded whole: run on meta, unrecorded
+            return func(*args, **(kwargs or {}))
         hook = sys.getprofile()  # off while recording: its Python calls are not the build's
         sys.setprofile(None)
         try:
