@@ -29,7 +29,15 @@ from ftrain.app.recipes import gpt, placement, rows, startup
 from ftrain.models import empty_causal_lm, load_causal_lm
 from ftrain.models.hf import check_model_dir, weight_files
 
-__all__ = ["build", "build_model", "context_length", "make_loss_fn", "sample_text"]
+__all__ = [
+    "born_model_and_params",
+    "build",
+    "build_model",
+    "check_model",
+    "context_length",
+    "make_loss_fn",
+    "sample_text",
+]
 
 
 def build(cfg: TrainConfig, *, rank: int = 0, world: int = 1, quiet: bool = False) -> gpt.Recipe:
