@@ -134,8 +134,11 @@ def _to_local(x: Any) -> Any:
 
 class _LocalForeach(TorchDispatchMode):
     """Elementwise ``torch._foreach_*`` ops that DTensor has no sharding rule for (e.g.
-    ``_foreach_copy_``) run on the local shards, when the operands at each list position are laid
-    out alike (same mesh, placements and shape, or 0-d). Every other op goes to DTensor."""
+    ``_foreach_copy_``; ``_foreach_lerp`` on torch 2.11) run on the local shards, when the
+    operands at each list position are laid out alike (same mesh, placements and shape, or 0-d).
+    A replicated operand beside a sharded one (ZeRO's replicated gradients beside its sharded
+    moments) is cut to the sharded layout first, a local slice as DTensor's own rule would take;
+    not the one an in-place op writes. Every other op goes to DTensor."""
 
     _REDUCTIONS = ("aten::_foreach_norm", "aten::_foreach_max")
 
@@ -147,9 +150,10 @@ class _LocalForeach(TorchDispatchMode):
             name = func.name()
             if not name.startswith("aten::_foreach_") or name.startswith(self._REDUCTIONS):
                 raise
-            like = _alike(args)
+            like = _alike(args, writes_first=name.split(".")[0].endswith("_"))
             if like is None:
                 raise
+            args = _aligned(args, like)
         out = func(*_to_local(list(args)), **{k: _to_local(v) for k, v in kwargs.items()})
         if out is None or not isinstance(out, (list, tuple)):
             return out  # in place: the shards were written
@@ -161,12 +165,19 @@ class _LocalForeach(TorchDispatchMode):
         ]
 
 
-def _alike(args: Sequence[Any]) -> list | None:
-    """Per list position, the DTensor whose layout every operand there shares (None where all
-    are plain), or None when some position mixes layouts."""
-    lists = [
-        a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)
-    ]
+def _replicated(t: torch.Tensor) -> bool:
+    return is_dtensor(t) and all(p.is_replicate() for p in t.placements)
+
+
+def _is_tensor_list(a: Any) -> bool:
+    return isinstance(a, (list, tuple)) and bool(a) and isinstance(a[0], torch.Tensor)
+
+
+def _alike(args: Sequence[Any], writes_first: bool = False) -> list | None:
+    """Per list position, the DTensor whose layout every operand there shares or can be cut to
+    (a replicated one of the same mesh and shape; not in the first list when the op writes it),
+    None where all are plain; or None when some position mixes layouts otherwise."""
+    lists = [a for a in args if _is_tensor_list(a)]
     scalars = [a for a in args if isinstance(a, torch.Tensor)]
     if not lists or any(s.dim() > 0 for s in scalars):
         return None
@@ -174,20 +185,42 @@ def _alike(args: Sequence[Any]) -> list | None:
     for column in zip(*lists):
         ref = None
         for t in column:
-            if t.dim() == 0 and (not is_dtensor(t) or all(p.is_replicate() for p in t.placements)):
+            if t.dim() == 0 and (not is_dtensor(t) or _replicated(t)):
                 continue
             if not is_dtensor(t):
                 return None
-            if ref is None:
+            if ref is None or (_replicated(ref) and not _replicated(t)):
                 ref = t
-            elif (t.device_mesh, t.placements, t.shape) != (
+        for i, t in enumerate(column):
+            if t.dim() == 0 and (not is_dtensor(t) or _replicated(t)):
+                continue
+            if (t.device_mesh, t.placements, t.shape) == (
                 ref.device_mesh,
                 ref.placements,
                 ref.shape,
             ):
+                continue
+            cut = _replicated(t) and (t.device_mesh, t.shape) == (ref.device_mesh, ref.shape)
+            if not cut or (writes_first and i == 0):
                 return None
         refs.append(ref)
     return refs
+
+
+def _aligned(args: Sequence[Any], refs: list) -> list:
+    """``args`` with each replicated DTensor of a list cut to its position's layout in ``refs``
+    (``redistribute`` from ``Replicate()`` to a ``Shard``: a local slice, no traffic)."""
+    out = []
+    for a in args:
+        if _is_tensor_list(a):
+            a = [
+                t.redistribute(r.device_mesh, r.placements)
+                if r is not None and t.dim() > 0 and _replicated(t) and not _replicated(r)
+                else t
+                for t, r in zip(a, refs)
+            ]
+        out.append(a)
+    return out
 
 
 @contextlib.contextmanager

@@ -19,6 +19,7 @@ from ftrain.optim.base import LeafContext
 
 __all__ = [
     "zero_count",
+    "writable",
     "mul",
     "add_",
     "as_update",
@@ -53,11 +54,31 @@ def add_(u: list[torch.Tensor], value: torch.Tensor) -> None:
         foreach.add_(u, value)
 
 
+def writable(owned: bool, g: list[torch.Tensor], m: list[torch.Tensor]) -> bool:
+    """Whether the gradient buffers ``g`` may take values computed from the state ``m`` in
+    place: ``owned`` (the step's to overwrite), and at each position laid out as ``m`` (the same
+    tensor type and, for DTensors, mesh and placements). Not so under ZeRO, whose gradients are
+    replicated and moments sharded: writing a shard into a replicated buffer would gather it (or,
+    on a torch without that rule, fail); the update is then built apart, on the shards."""
+    if not owned:
+        return False
+    for x, y in zip(g, m):
+        if type(x) is not type(y):
+            return False
+        placed = getattr(x, "placements", None)
+        if placed is not None and (
+            tuple(placed) != tuple(y.placements) or x.device_mesh != y.device_mesh
+        ):
+            return False
+    return True
+
+
 def as_update(g: list[torch.Tensor], m: list[torch.Tensor], owned: bool) -> list[torch.Tensor]:
     """The state ``m`` (e.g. a momentum) as the update, never aliasing it: copied into the
-    gradient buffers ``g`` when they are ours to overwrite, else cloned. The step adds the update
-    to the params and may donate the state, so the two must not share memory."""
-    if owned:
+    gradient buffers ``g`` when they are ours to overwrite (and laid out alike: :func:`writable`),
+    else cloned. The step adds the update to the params and may donate the state, so the two must
+    not share memory."""
+    if writable(owned, g, m):
         foreach.copy_(g, m)
         return g
     return [t.clone() for t in m]

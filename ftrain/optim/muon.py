@@ -32,7 +32,7 @@ from ftrain.internals import foreach
 from ftrain.optim.base import GradientTransformation, chain, empty_state, leafwise
 from ftrain.optim.checks import check_range, checked
 from ftrain.optim.fused import adam_transform, check_fused
-from ftrain.optim.kernels import as_update, check_same_keys, mul
+from ftrain.optim.kernels import as_update, check_same_keys, mul, writable
 from ftrain.optim.partition import partition
 from ftrain.optim.primitives import add_decayed_weights, scale_by_learning_rate
 from ftrain.optim.schedules import Schedule
@@ -124,7 +124,7 @@ def ema_momentum(decay: float, nesterov: bool = False) -> GradientTransformation
             foreach.lerp_(m, g, 1 - decay)
         else:
             m = list(foreach.lerp(m, g, 1 - decay))
-        if nesterov and ctx.owned:
+        if nesterov and writable(ctx.owned, g, m):
             foreach.lerp_(g, m, decay)
             u = g
         elif nesterov:

@@ -28,6 +28,7 @@ from ftrain.optim.kernels import (
     check_same_keys,
     mul,
     norms_and_roots,
+    writable,
     zero_count,
 )
 from ftrain.optim.schedules import Schedule, as_schedule
@@ -172,7 +173,7 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
             m = foreach.mul(m, decay)
             foreach.add_(m, g)
         if nesterov:
-            if ctx.owned:
+            if writable(ctx.owned, g, m):
                 foreach.add_(g, m, alpha=decay)
                 u = g
             else:
@@ -281,7 +282,7 @@ def scale_by_adam(
         # u = mu / (sqrt(nu) * bc1 / sqrt(bc2) + eps * bc1), built in one buffer. When the
         # gradients are ours, that buffer is theirs (free once the moments are updated): on CPU a
         # fresh allocation of a large tensor costs several times an in-place pass over it.
-        if ctx.owned:
+        if writable(ctx.owned, g, nu):
             u = g
             foreach.copy_(u, nu)
             if eps_root:
