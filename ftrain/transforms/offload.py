@@ -40,6 +40,7 @@ import dataclasses
 import torch
 
 from ftrain import tree
+from ftrain.distributed.dtensor import is_dtensor, like, local
 from ftrain.optim.base import GradientTransformation, LeafContext, leaf_apply, leaf_update, leafwise
 from ftrain.state import TrainState
 from ftrain.step import Gradients, Step, Transform
@@ -62,7 +63,7 @@ def _to_host(ts: Leaves, pin: bool = False) -> Leaves:
             out.append(t)
         else:
             h = t.to(HOST)
-            out.append(h.pin_memory() if pin else h)
+            out.append(_pin(h) if pin else h)
     return out
 
 
@@ -70,9 +71,17 @@ def _pinned(new: Leaves, old: Leaves) -> Leaves:
     """The ``new`` optimizer state kept in pinned memory where the ``old`` one was (``init`` pins
     it where the params are on a CUDA device): tensors an update made anew (its counters; every
     moment of a step that does not donate) are pinned, those updated in place already are."""
-    if not any(t.is_pinned() for t in old):
+    if not any(_is_pinned(t) for t in old):
         return new
-    return [t.pin_memory() if t.device == HOST and not t.is_pinned() else t for t in new]
+    return [_pin(t) if t.device == HOST and not _is_pinned(t) else t for t in new]
+
+
+def _is_pinned(t: torch.Tensor) -> bool:  # a DTensor (a rank's shard): its local tensor's memory
+    return (local(t) if is_dtensor(t) else t).is_pinned()
+
+
+def _pin(t: torch.Tensor) -> torch.Tensor:
+    return like(local(t).pin_memory(), t) if is_dtensor(t) else t.pin_memory()
 
 
 def _back(host: Leaves, like: Leaves, inplace: bool) -> Leaves:
