@@ -66,6 +66,27 @@ def _rank_setup(cfg: GPTConfig, rows: int):
     return template, batch, loss_fn
 
 
+def _ftrain_run(template, batch, loss_fn, name: str, strategy: str, **shard_kw):
+    """ftrain's donated AdamW step (``name`` ending in "checkpoint": checkpointed) sharded by
+    ``strategy``: a function running one step (waiting for it), its state box, and the most
+    whole params its second step held gathered at once (``track_gathered``)."""
+    opt = ft.optim.adamw(1e-3)
+    step = ft.train_step(loss_fn, opt, donate=True)
+    if name.endswith("checkpoint"):
+        step = ft.checkpoint(step)
+    step = shard(step, strategy, **shard_kw)
+    box = [shard_state(ft.TrainState.create(ft.params_of(template), opt), strategy)]
+
+    def run(step=step, box=box):
+        box[0], metrics = step(box[0], batch)
+        float(metrics["loss"])  # wait for the step
+
+    run()
+    with track_gathered() as t:
+        run()
+    return run, box, t.peak
+
+
 def _on_rank(cfg: GPTConfig, rows: int, rounds: int) -> dict:
     """Runs on each of the two processes: every variant, interleaved."""
     template, batch, loss_fn = _rank_setup(cfg, rows)
@@ -73,27 +94,14 @@ def _on_rank(cfg: GPTConfig, rows: int, rounds: int) -> dict:
     runs, memory = {}, {}
     for name in [*STRATEGIES, "fsdp+checkpoint"]:
         strategy = name.split("+")[0]
-        opt = ft.optim.adamw(1e-3)
-        step = ft.train_step(loss_fn, opt, donate=True)
-        if name.endswith("checkpoint"):
-            step = ft.checkpoint(step)
-        step = shard(step, strategy)
-        box = [shard_state(ft.TrainState.create(ft.params_of(template), opt), strategy)]
-
-        def run(step=step, box=box):
-            box[0], metrics = step(box[0], batch)
-            float(metrics["loss"])  # wait for the step
-
-        run()
-        with track_gathered() as t:
-            run()
+        run, box, gathered = _ftrain_run(template, batch, loss_fn, name, strategy)
         state = box[0]
         whole_grads = strategy in ("ddp", "zero1")
         memory[name] = {
             "params": local_bytes(state.params),
             "opt": local_bytes(state.opt_state),
             "grads": local_bytes(unsharded(state.params)) if whole_grads else None,
-            "peak": t.peak if strategy == "fsdp" else None,
+            "peak": gathered if strategy == "fsdp" else None,
         }
         if memory[name]["grads"] is None:  # reduce-scattered: one shard of each gradient
             memory[name]["grads"] = _shard_bytes(state.params, rank)
@@ -209,22 +217,11 @@ def _on_rank_prefetch(cfg: GPTConfig, rows: int, rounds: int) -> dict:
     runs, peaks = {}, {}
     for name in ("fsdp", "fsdp+checkpoint"):
         for prefetch in (False, True):
-            opt = ft.optim.adamw(1e-3)
-            step = ft.train_step(loss_fn, opt, donate=True)
-            if name.endswith("checkpoint"):
-                step = ft.checkpoint(step)
-            step = shard(step, "fsdp", prefetch=prefetch)
-            box = [shard_state(ft.TrainState.create(ft.params_of(template), opt), "fsdp")]
-
-            def run(step=step, box=box):
-                box[0], metrics = step(box[0], batch)
-                float(metrics["loss"])  # wait for the step
-
-            run()
-            with track_gathered() as t:
-                run()
+            run, _, gathered = _ftrain_run(
+                template, batch, loss_fn, name, "fsdp", prefetch=prefetch
+            )
             key = f"{name}, prefetch={prefetch}"
-            runs[key], peaks[key] = run, t.peak
+            runs[key], peaks[key] = run, gathered
     try:
         from torch.distributed.fsdp import fully_shard
 
