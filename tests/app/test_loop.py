@@ -300,20 +300,9 @@ def test_lora_with_fsdp_equals_one_process_and_resumes_on_one(tmp_path, tiny_run
     continues the same run."""
     common = [*tiny_run, "--lora-rank", "2", "--lr", "1e-2", "--batch-size", "2",
               "--global-batch-size", "4", "--decay-steps", "6", "--save-every", "3"]  # fmt: skip
-
-    def cfg(out, steps, *more):
-        return _config([*common, "--out", str(tmp_path / out), "--max-steps", str(steps), *more])
-
-    ft.distributed.run_distributed(
-        _train_each, 2, [cfg("fsdp", 6, "--shard", "fsdp"), cfg("part", 3, "--shard", "fsdp")]
+    _two_processes_equal_one_and_resume_on_one(
+        tmp_path, common, full=["--shard", "fsdp"], part=["--shard", "fsdp"]
     )
-    train(cfg("one", 6))
-    train(cfg("part", 6, "--resume"))
-    want = _losses(tmp_path / "one")
-    for run in ("fsdp", "part"):
-        got = _losses(tmp_path / run)
-        assert sorted(got) == list(range(1, 7))
-        assert max(abs(got[s] - want[s]) for s in want) <= 1e-5, run
 
 
 def test_tp_run_equals_one_process_and_resumes_on_one(tmp_path, tiny_run):
@@ -321,19 +310,24 @@ def test_tp_run_equals_one_process_and_resumes_on_one(tmp_path, tiny_run):
     logs the 1-process run's losses (to 1e-5), evaluating and saving on the way; its step-3
     checkpoint (a run with --sequence-parallel), resumed on 1 process, continues the same run."""
     common = [*tiny_run, "--decay-steps", "6", "--save-every", "3", "--eval-every", "3"]
+    _two_processes_equal_one_and_resume_on_one(
+        tmp_path, common, full=["--tp", "2"], part=["--tp", "2", "--sequence-parallel"]
+    )
+
+
+def _two_processes_equal_one_and_resume_on_one(tmp_path, common, *, full, part):
+    """Two processes run ``common + full`` for 6 steps and ``common + part`` for 3 (saving at
+    step 3); one process runs ``common`` for 6 steps and resumes the 3-step run to 6. Both the
+    2-process run and the resumed one log the one-process losses at every step (to 1e-5)."""
 
     def cfg(out, steps, *more):
         return _config([*common, "--out", str(tmp_path / out), "--max-steps", str(steps), *more])
 
-    ft.distributed.run_distributed(
-        _train_each,
-        2,
-        [cfg("tp", 6, "--tp", "2"), cfg("part", 3, "--tp", "2", "--sequence-parallel")],
-    )
+    ft.distributed.run_distributed(_train_each, 2, [cfg("full", 6, *full), cfg("part", 3, *part)])
     train(cfg("one", 6))
     train(cfg("part", 6, "--resume"))
     want = _losses(tmp_path / "one")
-    for run in ("tp", "part"):
+    for run in ("full", "part"):
         got = _losses(tmp_path / run)
         assert sorted(got) == list(range(1, 7))
         assert max(abs(got[s] - want[s]) for s in want) <= 1e-5, run
