@@ -42,6 +42,7 @@ from ftrain.transforms import (
     lora,
     merge_lora,
     offload,
+    pipeline,
     shard,
     tensor_parallel,
     vmap,
@@ -100,4 +101,5 @@ __all__ = [
     "lora",
     "merge_lora",
     "offload",
+    "pipeline",
 ]

@@ -12,10 +12,13 @@ tensors may be overwritten (inside a chain, after the first transform, they alwa
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from tensordict import TensorDict
 
 from ftrain.internals import foreach
+from ftrain.internals.scoped import Scoped
 from ftrain.optim.base import (
     GradientTransformation,
     empty_state,
@@ -44,6 +47,8 @@ __all__ = [
     "clip_by_global_norm",
     "clip_by_block_rms",
     "global_norm",
+    "whole_model_norm",
+    "with_whole_model_norm",
     "scale_by_adam",
     "scale_by_lion",
 ]
@@ -58,6 +63,35 @@ def global_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
     if not tensors:
         return torch.zeros(())
     return torch.linalg.vector_norm(torch.stack(foreach.norm(tensors)).float())
+
+
+# The norm of leaves keyed like (a part of) the params, over the whole model, where a transform
+# holds only part of the model on each process (ft.pipeline); None: global_norm of the leaves.
+_WHOLE_NORM: Scoped[Callable[[list[torch.Tensor], TreeDef], torch.Tensor] | None] = Scoped(
+    "ftrain.optim whole-model norm", None
+)
+
+
+def whole_model_norm(tensors: list[torch.Tensor], tdef: TreeDef) -> torch.Tensor:
+    """The L2 norm of ``tensors`` (keyed by ``tdef``, like the params) over the whole model: their
+    :func:`global_norm`, or inside :func:`with_whole_model_norm` the norm that gives, summed over
+    the processes holding the other parts (each tensor held by several counted once)."""
+    norm = _WHOLE_NORM.get()
+    return global_norm(tensors) if norm is None else norm(tensors, tdef)
+
+
+def with_whole_model_norm(
+    inner: GradientTransformation, norm: Callable[[list[torch.Tensor], TreeDef], torch.Tensor]
+) -> GradientTransformation:
+    """``inner`` with every :func:`whole_model_norm` in its update computed by ``norm(tensors,
+    tdef)``: what a transform that splits the params across processes without DTensor wraps the
+    step's optimizer with, so that ``clip_by_global_norm`` clips by the whole model's norm."""
+
+    def update(updates, state, params=None, *, inplace=False):
+        with _WHOLE_NORM.using(norm):
+            return inner.update(updates, state, params, inplace=inplace)
+
+    return GradientTransformation(inner.init, update)
 
 
 def scale(factor: float) -> GradientTransformation:
@@ -216,12 +250,13 @@ def add_decayed_weights(weight_decay: float = 0.0, mask=None) -> GradientTransfo
 
 def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     """Scale all updates by ``min(1, max_norm / global_norm)`` so their joint L2 norm is at most
-    ``max_norm``. No host sync: the factor stays a tensor."""
+    ``max_norm``. No host sync: the factor stays a tensor. The norm is the whole model's
+    (:func:`whole_model_norm`): under ``ft.pipeline`` too, where each process holds a part."""
     if not isinstance(max_norm, (int, float)) or isinstance(max_norm, bool) or max_norm <= 0:
         raise ValueError(f"clip_by_global_norm(max_norm): must be a number > 0, got {max_norm!r}.")
 
     def update(u, s, p, ctx):
-        norm = global_norm(u)
+        norm = whole_model_norm(u, ctx.tree)
         factor = (max_norm / norm.clamp_min(torch.finfo(norm.dtype).tiny)).clamp(max=1.0)
         return mul(u, factor, ctx.owned), s
 

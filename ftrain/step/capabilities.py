@@ -41,6 +41,7 @@ __all__ = [
     "RECOMPUTES",
     "SPLITS_BATCH",
     "HOST_OPTIMIZER",
+    "PIPELINES",
     "SHAREABLE",
     "Rule",
     "RULES",
@@ -72,6 +73,7 @@ SETS_PRECISION = "sets the forward's precision"
 RECOMPUTES = "recomputes activations in backward"
 SPLITS_BATCH = "splits the batch into micro-batches"  # note: into how many
 HOST_OPTIMIZER = "keeps the optimizer state in host memory"  # note: what else moves there
+PIPELINES = "runs the model's stages on several processes"  # its forward hook runs innermost
 
 # declared by several transforms of one step without conflict
 SHAREABLE = frozenset(
@@ -132,6 +134,13 @@ RULES: tuple[Rule, ...] = (
         "the batch must be split over the 'dp' dimension of {a}'s mesh.",
         "Fix: {b}(step, ..., mesh=mesh['dp']), with the mesh of {a}.",
         clash=lambda over, ranks: over != ranks,
+    ),
+    Rule(
+        PIPELINES,
+        GATHERS_PARAMS,
+        "fsdp gathers each block for one micro-batch's forward and backward at a time, and a "
+        "pipeline schedule interleaves the micro-batches of its stages.",
+        "Shard the state over dp with 'zero1' or 'zero2' under {a}.",
     ),
 )
 
@@ -205,8 +214,12 @@ def forward_rank(t: Transform) -> int:
     """Where ``t``'s forward hook sits among a step's, whatever the order they were applied in
     (lower: closer to the loss function). Splitting the matrices comes first, so every other
     rewrite sees the tensor-parallel model; gathering shards next, so a block that activation
-    checkpointing recomputes gathers its parameters again. The rest keep the order applied."""
+    checkpointing recomputes gathers its parameters again. The rest keep the order applied.
+    Innermost of all, a pipeline's: its hook runs each stage (and the loss) inside every other
+    transform's forward hook, so they act on the stages as they would on the whole model."""
     caps = t.capabilities()
+    if PIPELINES in caps:
+        return -1
     return 0 if SPLITS_MATRICES in caps else 1 if GATHERS_PARAMS in caps else 2
 
 

@@ -7,6 +7,7 @@ from ftrain.transforms.dp_sgd import DpSgd, dp_sgd
 from ftrain.transforms.ema import Ema, ema
 from ftrain.transforms.lora import Lora, lora, merge_lora
 from ftrain.transforms.offload import Offload, OffloadGradients, offload, offloaded
+from ftrain.transforms.pipeline import Pipeline, pipeline
 from ftrain.transforms.recompute import Checkpoint, checkpoint
 from ftrain.transforms.shard import Shard, shard
 from ftrain.transforms.tensor_parallel import TensorParallel, tensor_parallel
@@ -24,6 +25,7 @@ __all__ = [
     "Lora",
     "Offload",
     "OffloadGradients",
+    "Pipeline",
     "Shard",
     "StaticLossScale",
     "TensorParallel",
@@ -39,6 +41,7 @@ __all__ = [
     "merge_lora",
     "offload",
     "offloaded",
+    "pipeline",
     "shard",
     "tensor_parallel",
     "vmap",
