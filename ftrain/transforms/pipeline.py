@@ -332,7 +332,8 @@ def pipeline(
         stages: the number of blocks of each stage, in order (default: even).
         virtual: stages per rank for the interleaved schedules.
         inputs: the batch field the first stage reads (or a function ``batch -> tensor``).
-        family: how to run a stage of a model not in ``ftrain.distributed.pipeline.FAMILIES``.
+        family: how to run a stage of a model ``ftrain.distributed.pipeline.families()`` does
+            not know (a ``Family``).
 
     The loss function is the step's own, unchanged: on the last stage its model call returns the
     last stage's output for the micro-batch (logits). It must call the model once per call, with

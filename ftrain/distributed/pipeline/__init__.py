@@ -4,8 +4,8 @@
 schedule (``runner``), and the ``("dp", "pp", "tp")`` mesh (``mesh``). The ``ft.pipeline``
 transform (``ftrain.transforms.pipeline``) is built from these."""
 
-from ftrain.distributed.pipeline.cut import FAMILIES, Family, family_of
+from ftrain.distributed.pipeline.cut import GPT_FAMILY, Family, families, family_of
 from ftrain.distributed.pipeline.mesh import pp_mesh
 from ftrain.distributed.pipeline.runner import SCHEDULES
 
-__all__ = ["FAMILIES", "Family", "SCHEDULES", "family_of", "pp_mesh"]
+__all__ = ["GPT_FAMILY", "Family", "SCHEDULES", "families", "family_of", "pp_mesh"]

@@ -29,7 +29,8 @@ from torch import nn
 
 __all__ = [
     "Family",
-    "FAMILIES",
+    "GPT_FAMILY",
+    "families",
     "family_of",
     "refuse_packed",
     "blocks_of",
@@ -130,16 +131,22 @@ GPT_FAMILY = Family(
     last_reads=lambda model: ("wte",) if model.lm_head is None else (),
 )
 
-# Families tried in order by family_of; ftrain.distributed.pipeline.hf adds Hugging Face's.
-FAMILIES: list[Family] = [GPT_FAMILY]
+
+def families() -> tuple[Family, ...]:
+    """The families :func:`family_of` knows, tried in order: the built-in GPT, then Hugging
+    Face's (``ftrain.distributed.pipeline.hf``; transformers is imported only to match them)."""
+    from ftrain.distributed.pipeline.hf import HF_FAMILIES
+
+    return (GPT_FAMILY, *HF_FAMILIES)
 
 
 def family_of(model: nn.Module) -> Family:
     """The :class:`Family` that runs ``model``'s stages; raises naming the supported ones."""
-    for family in FAMILIES:
+    known = families()
+    for family in known:
         if family.matches(model):
             return family
-    names = ", ".join(f.name for f in FAMILIES)
+    names = ", ".join(f.name for f in known)
     raise ValueError(
         f"ft.pipeline: no stage code for a {type(model).__name__} (supported: {names}). "
         "Pass family=ft.distributed.pipeline.Family(...) for your model."
