@@ -117,6 +117,27 @@ def two_ranks(tmp_path_factory) -> list[dict]:
     return run_distributed(on_two_ranks, WORLD, str(tmp_path_factory.mktemp("two_ranks")))
 
 
+# --- the pipeline runs (tests/transforms/test_pipeline.py) ----------------------------------------
+
+
+@pytest.fixture(scope="session")
+def pipeline_two_ranks(tmp_path_factory) -> list[dict]:
+    """What :func:`_pipeline_ranks.on_two_ranks` returned on each of 2 gloo processes (pp = 2):
+    every schedule, the compositions, a checkpoint resumed on another schedule, the errors."""
+    from _pipeline_ranks import on_two_ranks
+
+    return run_distributed(on_two_ranks, 2, str(tmp_path_factory.mktemp("pipeline")))
+
+
+@pytest.fixture(scope="session")
+def pipeline_four_ranks() -> list[dict]:
+    """What :func:`_pipeline_ranks.on_four_ranks` returned on each of 4 gloo processes: pp = 4,
+    and dp 2 x pp 2 under ft.shard."""
+    from _pipeline_ranks import on_four_ranks
+
+    return run_distributed(on_four_ranks, 4, timeout=400)
+
+
 # --- the memory planner's 2-rank run (tests/memory/test_predict.py, tests/memory/test_fake_fsdp.py) ------
 
 

@@ -37,6 +37,7 @@ from torch import nn
 
 from ftrain import tree
 from ftrain.apply import apply, rewritten
+from ftrain.distributed.dtensor import is_dtensor
 from ftrain.distributed.launch import require_group
 from ftrain.distributed.pipeline.cut import (
     Family,
@@ -180,6 +181,8 @@ class Pipeline(Transform):
         counted = [t for k, t in zip(tdef.paths, leaves) if self.runner.counted_here(k)]
         device = leaves[0].device if leaves else torch.device("cpu")
         sq = global_norm(counted).square() if counted else torch.zeros((), device=device)
+        if is_dtensor(sq):  # over ft.shard's dp pieces (zero1/zero2): DTensor made it whole
+            sq = sq.full_tensor()
         sq = sq.to(device=device, dtype=torch.float32)
         dist.all_reduce(sq, group=self.mesh["pp"].get_group())
         return sq.sqrt()

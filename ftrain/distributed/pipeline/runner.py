@@ -31,6 +31,7 @@ from torch import nn
 from ftrain import tree
 from ftrain.distributed.pipeline.cut import Family, StageCut, stage_module
 from ftrain.internals.batch import batch_rows, split_batch
+from ftrain.step.engine import nonzero
 
 __all__ = ["SCHEDULES", "V_SHAPED", "Stage", "StageInput", "Runner"]
 
@@ -159,6 +160,7 @@ class Runner:
         self.size = 0  # rows per micro-batch
         self.stub: TensorDict | None = None
         self.scale: torch.Tensor | None = None
+        self.unit: torch.Tensor | None = None  # under a loss scale: what the losses are over
         self.tallies: dict[int, tuple[torch.Tensor, torch.Tensor, dict]] = {}
 
     # -- one step ----------------------------------------------------------------------------
@@ -170,7 +172,7 @@ class Runner:
         keys = list(tdef.paths)
         leaves = {k: nn.Parameter(v.detach(), requires_grad=True) for k, v in zip(keys, values)}
         p_in = tdef.unflatten([leaves[k] for k in keys])
-        self.forward, self.scale = forward, scale
+        self.forward, self.scale, self.unit = forward, scale, None
         bound = [s.bind(leaves) for s in self.stages]
         for s, td in zip(self.stages, bound):
             s.runner, s.bound = self, td
@@ -206,21 +208,24 @@ class Runner:
                 leaves[k].grad if leaves[k].grad is not None else torch.zeros_like(values[i])
                 for i, k in enumerate(keys)
             ]
+            unit = self.unit if self.unit is not None else torch.zeros((), device=device)
         finally:
             for s in self.stages:
                 s.runner = None
                 s.bound = None
                 s.release()
-            self.forward = self.pieces = self.stub = self.scale = self.output = None
+            self.forward = self.pieces = self.stub = self.scale = self.output = self.unit = None
             self.tallies = {}
         # the last stage's loss, count and aux: the same on every rank of the pipeline
         names = sorted(aux)
-        sums = torch.stack([total, count, *(aux[k] for k in names)]).to(device)
+        sums = torch.stack([total, count, unit.to(total), *(aux[k] for k in names)])
         if not self.last:
             sums.zero_()
         dist.all_reduce(sums, group=self.group)
         for i, k in enumerate(names):
-            aux[k] = sums[2 + i]
+            aux[k] = sums[3 + i]
+        if scale is not None:  # the gradients of the totals times the scale, as the step wants
+            torch._foreach_mul_(grads, sums[2])
         return grads, sums[0], sums[1], aux
 
     def reduce_shared(self, grads: list[torch.Tensor], keys: Sequence[str]) -> list[torch.Tensor]:
@@ -265,7 +270,18 @@ class Runner:
             self.output = None
         # keyed by the micro-batch: torch may call this twice for the first one (shape inference)
         self.tallies[i] = (loss.total.detach().float(), loss.count.detach().float(), loss.aux)
-        return loss.total if self.scale is None else loss.total * self.scale
+        if self.scale is None:
+            return loss.total
+        # With a loss scale (fp16): the total over a count, so that the gradients entering the
+        # loss graph, and their sums over a micro-batch's tokens (a bias's gradient), stay
+        # within fp16 (the default engine divides each micro-batch by its own count). The
+        # gradients of all micro-batches add up in .grad, so one count serves the whole step:
+        # the first micro-batch's times their number (about the batch's), multiplied back into
+        # the summed gradients. A micro-batch holding far more than its share can still
+        # overflow; dynamic loss scaling then skips the step and halves the scale.
+        if self.unit is None:
+            self.unit = nonzero(loss.count.detach().float()) * self.microbatches
+        return loss.total * (self.scale / self.unit)
 
     def stage_output(self, *args, **kwargs) -> Any:
         """What the model call in the loss function returns on the last stage: the stage's output

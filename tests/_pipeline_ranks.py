@@ -1,0 +1,175 @@
+"""The pipeline runs of the suite: every ``ft.pipeline`` check that needs processes, in one call
+per process count.
+
+``conftest.py``'s session fixtures run :func:`on_two_ranks` (pp = 2) and, in the slow tier,
+:func:`on_four_ranks` (pp = 4, and dp 2 x pp 2 under ``ft.shard``) once each; the tests of
+``tests/transforms/test_pipeline.py`` compare what they return against one process computed in
+the parent (:func:`reference`). The settings below are the same in the parent and the ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import ftrain as ft
+
+from _tiny import lm_batch, lm_loss, tiny_gpt
+
+ROWS, STEPS, MICRO = 8, 3, 4
+# unequal valid tokens per row, so the micro-batches' counts differ: the one division by the
+# whole batch's count is what makes the pipeline equal one process
+LENGTHS = (2, 5, 16, 16, 7, 1, 16, 9)
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zero-bubble", "zbv")
+
+
+def batches(steps: int = STEPS) -> list[dict[str, torch.Tensor]]:
+    return [lm_batch(ROWS, seed=100 + i, lengths=LENGTHS) for i in range(steps)]
+
+
+def adamw():
+    # clipped: clip_by_global_norm must see the whole model's norm (0.5 is below every step's)
+    return ft.optim.chain(
+        ft.optim.clip_by_global_norm(0.5),
+        ft.optim.adamw(1e-3, weight_decay=0.1, mask=ft.optim.decay_mask),
+    )
+
+
+def sgd():
+    return ft.optim.sgd(0.5, momentum=0.9)
+
+
+def composed(step, micro_batches: int):
+    return ft.accumulate(ft.checkpoint(ft.autocast(step, torch.bfloat16)), micro_batches)
+
+
+# name: (optimizer, model options, transforms on the pipelined step, on the one-process step,
+# donate). Under bf16/fp16 the optimizer is SGD, linear in the gradients: the sums of the
+# micro-batches' gradients are associated differently (a tied embedding's two stages are summed
+# after all micro-batches), and Adam would turn that fp32 rounding, on a gradient that is zero in
+# exact arithmetic (attention's key bias), into steps of the size of the learning rate.
+CONFIGS = {
+    "plain": (adamw, {}, lambda s: s, lambda s: s, False),
+    "donated": (adamw, {}, lambda s: s, lambda s: s, True),
+    "untied": (adamw, {"tie_weights": False}, lambda s: s, lambda s: s, False),
+    # 2 pieces of 4 micro-batches each: the one-process step runs the same 8 micro-batches
+    "composed": (sgd, {}, lambda s: composed(s, 2), lambda s: composed(s, 2 * MICRO), False),
+    "sgd": (sgd, {}, lambda s: s, lambda s: s, False),  # fp32: what fp16 approximates
+    "fp16": (
+        sgd,
+        {},
+        lambda s: ft.autocast(s, torch.float16),
+        lambda s, k=MICRO: ft.accumulate(ft.autocast(s, torch.float16), k),
+        False,
+    ),
+    "fp16 static": (
+        sgd,
+        {},
+        lambda s: ft.autocast(s, torch.float16, loss_scale=1024.0),
+        lambda s, k=MICRO: ft.accumulate(ft.autocast(s, torch.float16, loss_scale=1024.0), k),
+        False,
+    ),
+}
+
+
+def _metrics(m: dict) -> dict[str, float]:
+    return {k: float(v) for k, v in m.items()}
+
+
+FP16 = ("fp16", "fp16 static")
+
+
+def reference(config: str = "plain", steps: int = STEPS, n_layer: int = 4, **kw_one):
+    """One process, the whole model: (state after ``steps``, each step's metrics). ``kw_one``:
+    for the fp16 configurations, ``micro_batches`` (default: the pipeline's)."""
+    opt, kw, _, one, donate = CONFIGS[config]
+    model = tiny_gpt(n_layer=n_layer, **kw)
+    state = ft.TrainState.create(ft.params_of(model), opt())
+    step = ft.train_step(lm_loss(model), opt(), donate=donate)
+    step = one(step, kw_one["micro_batches"]) if kw_one else one(step)
+    out = []
+    for b in batches(steps):
+        state, m = step(state, b)
+        out.append(_metrics(m))
+    return state, out
+
+
+def _run(mesh, config: str, schedule: str, *, n_layer: int = 4, shard: str | None = None,
+         steps: int = STEPS, save: str | None = None):  # fmt: skip
+    opt, kw, many, _, donate = CONFIGS[config]
+    model = tiny_gpt(n_layer=n_layer, **kw)
+    pp = ft.pipeline(model, mesh, schedule=schedule, microbatches=MICRO)
+    state = pp.shard_state(ft.TrainState.create(ft.params_of(model), opt()))
+    step = many(pp(ft.train_step(lm_loss(model), opt(), donate=donate)))
+    dp = mesh["dp"].size()
+    if shard is not None:
+        state = ft.shard_state(state, shard, mesh=mesh["dp"])
+        step = ft.shard(step, shard, mesh=mesh["dp"])
+    me = mesh["dp"].get_local_rank()
+    per = ROWS // dp
+    out = []
+    for b in batches(steps):
+        state, m = step(state, {k: v[me * per : (me + 1) * per] for k, v in b.items()})
+        out.append(_metrics(m))
+    if shard is not None:
+        state = ft.unshard_state(state)
+    return {"state": pp.unshard_state(state), "metrics": out, "keys": sorted(pp.keys)}
+
+
+def _resumed(mesh, path: str) -> dict:
+    """2 steps, a checkpoint of the whole state, then a fresh pipeline loads it and takes the
+    3rd step: equal to 3 steps in one go."""
+    model = tiny_gpt(n_layer=4)
+    pp = ft.pipeline(model, mesh, schedule="1f1b", microbatches=MICRO)
+    state = pp.shard_state(ft.TrainState.create(ft.params_of(model), adamw()))
+    step = pp(ft.train_step(lm_loss(model), adamw()))
+    for b in batches(2):
+        state, _ = step(state, b)
+    whole = pp.unshard_state(state)
+    if torch.distributed.get_rank() == 0:
+        ft.save(whole, path)
+    torch.distributed.barrier()
+    again = ft.pipeline(model, mesh, schedule="interleaved-1f1b", microbatches=MICRO)
+    state = again.shard_state(ft.load(path, like=whole))
+    state, _ = again(ft.train_step(lm_loss(model), adamw()))(state, batches()[2])
+    return {"state": again.unshard_state(state)}
+
+
+def _errors(mesh) -> dict[str, str]:
+    model = tiny_gpt(n_layer=4)
+    pp = ft.pipeline(model, mesh, schedule="1f1b", microbatches=MICRO)
+    state = pp.shard_state(ft.TrainState.create(ft.params_of(model), adamw()))
+    step = pp(ft.train_step(lm_loss(model), adamw()))
+    out = {}
+    try:  # 6 rows do not split into 4 equal micro-batches
+        step(state, lm_batch(6, seed=1))
+    except ValueError as e:
+        out["rows"] = str(e)
+    try:  # the laid-out state again
+        pp.shard_state(state)
+    except ValueError as e:
+        out["twice"] = str(e)
+    return out
+
+
+def on_two_ranks(tmp: str) -> dict:
+    torch.set_num_threads(1)
+    mesh = ft.distributed.pipeline.pp_mesh(pp=2)
+    out = {f"schedule {s}": _run(mesh, "plain", s) for s in SCHEDULES}
+    for config in CONFIGS:
+        if config not in ("plain", "sgd"):
+            out[config] = _run(mesh, config, "1f1b")
+    out["resumed"] = _resumed(mesh, f"{tmp}/ckpt")
+    out["errors"] = _errors(mesh)
+    return out
+
+
+def on_four_ranks() -> dict:
+    torch.set_num_threads(1)
+    out = {}
+    mesh = ft.distributed.pipeline.pp_mesh(pp=4)
+    for s in ("1f1b", "interleaved-1f1b", "zbv"):
+        out[f"pp4 {s}"] = _run(mesh, "plain", s, n_layer=8)
+    mesh = ft.distributed.pipeline.pp_mesh(pp=2)  # dp 2 x pp 2
+    for shard in ("ddp", "zero1", "zero2"):
+        out[f"dp2 pp2 {shard}"] = _run(mesh, "plain", "1f1b", shard=shard)
+    return out
