@@ -56,6 +56,14 @@ class Stage(nn.Module):
         super().__init__()
         self.body = body
         self.names = names  # body parameter name -> params key
+        # where each parameter sits, by its name: a tied one (an HF head's weight, the
+        # embedding's) at several places, all given the same tensor, so the tie holds
+        self.slots: dict[str, list[tuple[nn.Module, str]]] = {}
+        first: dict[int, str] = {}
+        for name, p in body.named_parameters(remove_duplicate=False):
+            *path, leaf = name.split(".")
+            owner = body.get_submodule(".".join(path)) if path else body
+            self.slots.setdefault(first.setdefault(id(p), name), []).append((owner, leaf))
         self.cut = cut
         self.family = family
         self.runner: Runner | None = None  # set for the extent of one step
@@ -66,21 +74,21 @@ class Stage(nn.Module):
         by the body's names (what ``ft.apply`` runs the body with)."""
         td = TensorDict({}, batch_size=[])
         for name, key in self.names.items():
-            *path, leaf = name.split(".")
-            owner = self.body.get_submodule(".".join(path)) if path else self.body
-            owner._parameters[leaf] = leaves[key]
+            for owner, leaf in self.slots[name]:
+                owner._parameters[leaf] = leaves[key]
             td.set(tuple(name.split(".")), leaves[key])
         return td
 
     def release(self) -> None:
         """Drop the step's leaves (meta stand-ins again): no state tensor outlives the step."""
         for name in self.names:
-            *path, leaf = name.split(".")
-            owner = self.body.get_submodule(".".join(path)) if path else self.body
+            owner, leaf = self.slots[name][0]
             p = owner._parameters[leaf]
-            owner._parameters[leaf] = nn.Parameter(
+            stand_in = nn.Parameter(
                 torch.empty_like(p, device="meta"), requires_grad=p.requires_grad
             )
+            for owner, leaf in self.slots[name]:
+                owner._parameters[leaf] = stand_in
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.runner is None:
