@@ -34,6 +34,8 @@ CHECKPOINT_POLICIES = ("none", "blocks", "selective")
 SCHEDULES = ("cosine", "constant", "linear", "wsd", "inverse_sqrt")
 SHARD_STRATEGIES = ("none", "ddp", "zero1", "zero2", "fsdp")
 OFFLOAD_MODES = ("none", "optimizer", "optimizer+gradients")  # ftrain.transforms.offload.MODES
+# ftrain.distributed.pipeline.SCHEDULES (torch.distributed.pipelining's, by ft.pipeline's names)
+PP_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "looped-bfs", "interleaved-zero-bubble", "zbv")
 SINK_NAMES = ("jsonl", "tensorboard")  # ftrain.app.sinks.SINKS
 MATMULS = ("auto", "onednn", "torch")  # ftrain.models.MATMULS and "auto"
 DEFAULT_MAX_STEPS = 600  # --max-steps; --epochs replaces it
@@ -99,6 +101,17 @@ class TrainConfig:
         1,
         "tensor parallel under torchrun: each block's matrices split over TP processes, the batch "
         "over world / TP groups of them (--shard ddp/zero1/zero2/fsdp over those groups)",
+    )
+    pp: int = _f(
+        1,
+        "pipeline parallel under torchrun: the blocks cut into PP stages over PP processes, the "
+        "batch over world / PP groups of them (--shard ddp/zero1/zero2 over those groups)",
+    )
+    pp_schedule: str = _f(
+        "1f1b", "with --pp: torch.distributed.pipelining's schedule", choices=PP_SCHEDULES
+    )
+    pp_microbatches: int | None = _f(
+        None, "with --pp: micro-batches the schedule splits each batch into (default 2 x stages)"
     )
     sequence_parallel: bool = _f(
         False,
@@ -268,8 +281,10 @@ class TrainConfig:
             from ftrain.memory import parse_bytes
 
             parse_bytes(self.memory_budget, "--memory-budget")
-        if self.tp != 1:
-            self._check_tp()
+        from ftrain.app.model_parallel import check_pp, check_tp
+
+        check_tp(self)
+        check_pp(self)
         if self.sequence_parallel and (self.tp == 1 or self.seq_len % self.tp):
             raise ValueError(
                 f"--sequence-parallel splits the sequence over the --tp processes: it needs "
@@ -328,26 +343,6 @@ class TrainConfig:
                 f"this run trains on the CPU (--device {self.device}); give a size, e.g. "
                 "--memory-budget 4GiB"
             )
-
-    def _check_tp(self) -> None:
-        if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
-            raise ValueError(
-                f"--tp must be an int >= 1 (1 = no tensor parallelism), got {self.tp!r}"
-            )
-        refused = {
-            "compile": self.compile,
-            "lora-rank": bool(self.lora_rank),
-            "memory-budget": self.memory_budget is not None,
-            "optimizer adamw8bit": self.optimizer == "adamw8bit",  # codes of whole tensors
-        }
-        for flag, bad in refused.items():
-            if bad:
-                raise ValueError(
-                    f"--tp {self.tp} cannot be combined with --{flag} (tensor parallelism "
-                    "composes with --shard ddp/zero1/zero2/fsdp over the data-parallel groups, "
-                    f"accumulation, checkpointing and precision); use --tp {self.tp} without "
-                    f"--{flag}"
-                )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

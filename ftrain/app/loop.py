@@ -5,6 +5,7 @@
     torchrun --nproc_per_node 2 -m ftrain train --shard ddp
 
     from ftrain.app.config import TrainConfig
+from ftrain.app.model_parallel import data_parallel, model_parallel, pipeline_of, whole_state
     from ftrain.app.loop import train
     summary = train(TrainConfig(max_steps=100, out="runs/a"))   # {"step", "loss", "seconds", ...}
 
@@ -33,6 +34,7 @@ import ftrain as ft
 from ftrain import distributed
 from ftrain.app import resume, run_folder
 from ftrain.app.config import TrainConfig
+from ftrain.app.model_parallel import data_parallel, model_parallel, pipeline_of, whole_state
 from ftrain.app.recipes import finetune, for_config, gpt, placement
 from ftrain.app.resume import RESUME_FIXED
 from ftrain.app.sinks import Sink, check_sink, make_sinks
@@ -41,7 +43,7 @@ from ftrain.app.sinks import Sink, check_sink, make_sinks
 from ftrain.distributed import shard_state, unshard, unshard_state
 from ftrain.distributed.dtensor import is_dtensor
 from ftrain.io.sharded import is_sharded
-from ftrain.transforms import TensorParallel
+from ftrain.transforms import Pipeline, TensorParallel
 from ftrain.transforms.lora import join_base, split_base
 
 __all__ = ["RESUME_FIXED", "validation_loss", "train"]  # RESUME_FIXED lives in ftrain.app.resume
@@ -85,18 +87,23 @@ def _train(cfg: TrainConfig, rank: int, world: int, sinks: Sequence[Sink]) -> di
         print(recipe.summary, flush=True)
     if main:  # model.json (the model folder, its sha256) and chat_template.jinja
         finetune.record_run(out, cfg)
-    run = _Run(cfg, rank, world, out, recipe)
+    pipe = pipeline_of(recipe.step)
+    run = _Run(cfg, rank, world, out, recipe, pipe)
     state = recipe.state
     tp = next((t for t in recipe.step.transforms if isinstance(t, TensorParallel)), None)
     # gpt.born_sharded: the params laid out at birth (a LoRA run's base is; its adapters are not)
     born = any(is_dtensor(t) for t in ft.tree.leaves(state.params))
-    if tp is not None and not born:  # whole tensors -> this process's pieces, then over dp groups
-        state = tp.shard_state(state)
+    if pipe is not None:  # a pipeline's checkpoints are whole: restored whole, then laid out
+        state, start = _restore(run, state)
+    split = pipe if pipe is not None else tp if not born else None
+    if split is not None:  # whole tensors -> this process's pieces (stages), then over dp
+        state = split.shard_state(state)
         if cfg.shard not in ("none", "ddp"):
-            state = shard_state(state, cfg.shard, mesh=tp.mesh["dp"])
+            state = shard_state(state, cfg.shard, mesh=split.mesh["dp"])
     elif cfg.shard != "none" and not born:
         state = shard_state(state, cfg.shard)  # whole tensors -> this process's layout
-    state, start = _restore(run, state)  # each process reads only what it keeps
+    if pipe is None:
+        state, start = _restore(run, state)  # each process reads only what it keeps
     log = run_folder.MetricsLog(out / "metrics.jsonl", start) if main else None
     if main:
         run_folder.write_config(out, cfg)
@@ -122,6 +129,7 @@ class _Run:
     world: int
     out: Path  # rank 0's run folder, on every process
     recipe: gpt.Recipe
+    pipe: Pipeline | None = None  # --pp's transform: each process holds its stages' state
 
     @property
     def main(self) -> bool:
@@ -155,19 +163,22 @@ def _launch(cfg: TrainConfig) -> tuple[TrainConfig, int, int]:
         except RuntimeError as e:
             raise SystemExit(f"ftrain train: --shard {cfg.shard}: {e}") from None
     rank, world = distributed.rank_and_world()
-    if world % cfg.tp:
+    split = model_parallel(cfg)
+    if world % split:
+        flags = " x ".join(f"--{k} {v}" for k, v in (("tp", cfg.tp), ("pp", cfg.pp)) if v > 1)
         raise SystemExit(
-            f"ftrain train: --tp {cfg.tp} must divide the {world} processes (the mesh is "
-            f"data-parallel groups x tp); launch a multiple of {cfg.tp} processes "
-            f"(torchrun --nproc_per_node N) or choose --tp among the divisors of {world}"
+            f"ftrain train: {flags} = {split} must divide the {world} processes (the mesh is "
+            f"data-parallel groups x {split}); launch a multiple of {split} processes "
+            f"(torchrun --nproc_per_node N) or choose sizes whose product divides {world}"
         )
     if cfg.global_batch_size is not None:
-        per_step = cfg.batch_size * world // cfg.tp  # the tp processes of a group share rows
+        # the tp x pp processes of a group share rows
+        per_step = cfg.batch_size * data_parallel(cfg, world)
         if cfg.global_batch_size % per_step:
             raise SystemExit(
                 f"ftrain train: --global-batch-size {cfg.global_batch_size} must be a multiple of "
-                f"--batch-size x data-parallel processes = {cfg.batch_size} x {world // cfg.tp} "
-                f"= {per_step}"
+                f"--batch-size x data-parallel processes = {cfg.batch_size} x "
+                f"{data_parallel(cfg, world)} = {per_step}"
             )
         cfg = dataclasses.replace(cfg, micro_batches=cfg.global_batch_size // per_step)
     # the matmul kernel: rank 0 times "auto" (on the CPU) and every process builds with its answer
@@ -193,7 +204,7 @@ def _restore(run: _Run, state: ft.TrainState) -> tuple[ft.TrainState, int]:
         return state, 0
     meta = ft.load_meta(latest)
     like, base = finetune.checkpoint_like(state, meta)  # a LoRA checkpoint holds no frozen base
-    state = resume.load_checked(latest, meta, cfg, like, run.world // cfg.tp, run.main)
+    state = resume.load_checked(latest, meta, cfg, like, data_parallel(cfg, run.world), run.main)
     state = join_base(state, base)
     run.recipe.loader.load_state_dict(meta["extra"]["loader"])  # global: the same on every rank
     start = int(state.step)
@@ -243,9 +254,9 @@ class _Report:
             from tqdm.auto import tqdm
 
             self.bar = tqdm(total=cfg.max_steps, initial=start, unit="step", dynamic_ncols=True)
-        # under --tp the tp processes of a group see the same rows
+        # under --tp / --pp the processes of a group see the same rows
         self.tokens_per_step = (
-            cfg.batch_size * cfg.micro_batches * cfg.seq_len * run.world // cfg.tp
+            cfg.batch_size * cfg.micro_batches * cfg.seq_len * data_parallel(cfg, run.world)
         )
         self.t0 = self.t_log = time.perf_counter()
         self.step_at_log = start
@@ -298,6 +309,8 @@ class _Report:
 def _eval_params(run: _Run, state: ft.TrainState):
     """The whole params to evaluate and sample with (``gpt.eval_params``). Every process calls
     it: the params are gathered, and the optimizer state too when the eval params need it."""
+    if run.pipe is not None:
+        return gpt.eval_params(run.cfg, whole_state(run.pipe, state))
     if run.cfg.optimizer in gpt.SCHEDULE_FREE or run.cfg.lora_rank:  # LoRA: merged
         return gpt.eval_params(run.cfg, unshard_state(state))
     return unshard(state.params)
@@ -356,6 +369,8 @@ def _save(run: _Run, state: ft.TrainState, saver: ft.Saver) -> None:
         "loader": run.recipe.loader.state_dict(),
         "world_size": run.world,
     }
+    if run.pipe is not None:  # whole, written by rank 0 (any pipeline or none resumes it)
+        state = whole_state(run.pipe, state)
     if run.main or is_sharded(state):
         # a LoRA run's checkpoint: the adapters and optimizer state, not the frozen base
         saver.save_checkpoint(run.out, split_base(state)[0], keep=cfg.keep, extra=extra)

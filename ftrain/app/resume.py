@@ -87,8 +87,9 @@ def _load_state(latest: Path, meta: dict, like: ft.TrainState, saved: dict) -> f
 def check_global_batch(cfg: TrainConfig, saved: dict, meta: dict, world: int) -> None:
     """A resumed run may have another number of processes (the sample order is global), but the
     same global batch: refuse another one, naming the flag that keeps it. ``world`` counts the
-    processes that split the batch (under ``--tp``, the processes / tp)."""
-    was = meta["extra"].get("world_size", 1) // saved.get("tp", 1)  # data-parallel processes
+    processes that split the batch (under ``--tp`` / ``--pp``, the processes / (tp x pp))."""
+    split = saved.get("tp", 1) * saved.get("pp", 1)
+    was = meta["extra"].get("world_size", 1) // split  # data-parallel processes
     then = saved.get("batch_size", cfg.batch_size) * saved.get("micro_batches", 1) * was
     now = cfg.batch_size * cfg.micro_batches * world
     if then != now:

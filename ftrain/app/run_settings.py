@@ -48,7 +48,7 @@ RESOLVED_HERE = ("device", "precision", "tf32")
 _PATHS = ("data", "data_dir", "model_dir")  # compared as the folders they name
 # How the processes of one launch share the work: any layout continues any other, so a resumed
 # run on another number of processes takes these from its flags (the global batch is kept).
-_LAYOUT = ("shard", "tp", "sequence_parallel")
+_LAYOUT = ("shard", "tp", "pp", "pp_schedule", "pp_microbatches", "sequence_parallel")
 # Settings added after checkpoints were first written, with the value those runs had.
 _BEFORE_ADDED = {"bias": True}
 
@@ -165,7 +165,7 @@ def _relaid(saved: dict[str, Any], world: int | None, given: dict[str, Any]) -> 
     (``global_batch_size``, from which the loop sets the micro-batches for this launch)."""
     out = {k: v for k, v in saved.items() if k not in _LAYOUT}
     if world and "micro_batches" not in given and out.get("global_batch_size") is None:
-        data_parallel = world // saved.get("tp", 1)
+        data_parallel = world // (saved.get("tp", 1) * saved.get("pp", 1))
         rows = saved.get("batch_size", 1) * saved.get("micro_batches", 1) * data_parallel
         out["global_batch_size"] = rows
     return out

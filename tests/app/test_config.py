@@ -93,6 +93,36 @@ def test_tp_flags_that_do_not_compose_are_usage_errors(flags, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--pp", "0"], "--pp must be an int >= 1"),
+        (["--pp", "2", "--shard", "fsdp"], "--pp 2 cannot be combined with --shard fsdp"),
+        (["--pp", "2", "--compile"], "--pp 2 cannot be combined with --compile"),
+        (["--pp", "2", "--tp", "2"], "--pp 2 cannot be combined with --tp"),
+        (["--pp", "2", "--pack"], "--pp 2 cannot be combined with --pack"),
+        (["--pp", "2", "--pp-schedule", "nope"], "--pp-schedule: invalid choice: 'nope'"),
+        (["--pp", "4", "--pp-microbatches", "2"], "--pp-microbatches 2 is fewer than the --pp 4"),
+        (["--pp", "2", "--batch-size", "6"], "--batch-size 6 must be a multiple of"),
+    ],
+)
+def test_pp_flags_that_do_not_compose_are_usage_errors(flags, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["train", *flags])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2"])
+def test_pp_composes_with_ddp_and_zero(strategy):
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    cfg = from_args(p.parse_args(["--pp", "2", "--shard", strategy, "--batch-size", "8"]))
+    cfg.validate()
+    assert (cfg.pp, cfg.shard) == (2, strategy)
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "fsdp"])
 def test_tp_composes_with_every_shard_strategy(strategy):
     """--tp with each --shard strategy (over the data-parallel groups) passes validation."""

@@ -315,6 +315,16 @@ def test_tp_run_equals_one_process_and_resumes_on_one(tmp_path, tiny_run):
     )
 
 
+def test_pp_run_equals_one_process_and_resumes_on_one(tmp_path, tiny_run):
+    """`ftrain train --pp 2` on 2 processes (one block each, the same rows on both, 1F1B) logs
+    the 1-process run's losses (to 1e-5), evaluating and saving whole checkpoints on the way; its
+    step-3 checkpoint (a GPipe run), resumed on 1 process, continues the same run."""
+    common = [*tiny_run, "--decay-steps", "6", "--save-every", "3", "--eval-every", "3"]
+    _two_processes_equal_one_and_resume_on_one(
+        tmp_path, common, full=["--pp", "2"], part=["--pp", "2", "--pp-schedule", "gpipe"]
+    )
+
+
 def _two_processes_equal_one_and_resume_on_one(tmp_path, common, *, full, part):
     """Two processes run ``common + full`` for 6 steps and ``common + part`` for 3 (saving at
     step 3); one process runs ``common`` for 6 steps and resumes the 3-step run to 6. Both the

@@ -28,12 +28,11 @@ import torch
 
 import ftrain as ft
 from ftrain import data, optim
-from ftrain.app import run_folder
+from ftrain.app import model_parallel, run_folder
 from ftrain.app.config import TrainConfig
 from ftrain.app.recipes import corpus, placement, rows, startup
-from ftrain.distributed.tensor_parallel.plans import plan_for
 from ftrain.models import GPT, GPTConfig, choose_matmul, generate
-from ftrain.transforms import Lora, TensorParallel, offloaded
+from ftrain.transforms import Lora, offloaded
 
 __all__ = [
     "Recipe",
@@ -48,7 +47,6 @@ __all__ = [
     "build_state",
     "build_model_and_state",
     "build_step",
-    "build_tensor_parallel",
     "data_dir",
     "eval_params",
     "generate_from",
@@ -86,7 +84,7 @@ def build(cfg: TrainConfig, *, rank: int = 0, world: int = 1, quiet: bool = Fals
     built = rows.build(cfg, rank=rank, world=world, quiet=quiet)
     cfg = rows.with_length(cfg, built.train, world)  # --epochs N -> max_steps, before the schedule
     opt = build_optimizer(cfg)
-    mesh = ft.distributed.tp_mesh(cfg.tp) if cfg.tp > 1 else None  # one mesh: state and step
+    mesh = model_parallel.build_mesh(cfg)  # one mesh: state and step
     model, state = build_model_and_state(cfg, opt, world, mesh=mesh)
     step = build_step(cfg, model, opt, mesh=mesh)
     placement.release_params(model)  # the state holds the params: the template's go to meta
@@ -228,7 +226,10 @@ def build_model_and_state(
     layout, dp = None, None
     if cfg.tp > 1:
         mesh = mesh if mesh is not None else ft.distributed.tp_mesh(cfg.tp)
-        layout, dp = build_tensor_parallel(cfg, model, mesh).lay_out_param, mesh["dp"]
+        layout, dp = (
+            model_parallel.build_tensor_parallel(cfg, model, mesh).lay_out_param,
+            mesh["dp"],
+        )
     lora = build_lora(cfg, model)
     if lora is not None:  # the frozen base born sharded; the adapters whole (the loop shards them)
         base = ft.distributed.sharded_init(
@@ -239,12 +240,6 @@ def build_model_and_state(
         lambda: GPT(config), opt, "fsdp", dp, seed=cfg.seed, layout=layout
     )
     return model, state
-
-
-def build_tensor_parallel(cfg: TrainConfig, model: GPT, mesh) -> TensorParallel:
-    """The ``ft.tensor_parallel`` transform of ``--tp`` for ``model`` on ``mesh`` (``("dp",
-    "tp")``): the built-in GPT's plan, with ``--sequence-parallel``."""
-    return ft.tensor_parallel(model, plan_for(model), mesh, sequence_parallel=cfg.sequence_parallel)
 
 
 # -- optimizer --------------------------------------------------------------------------------
@@ -330,8 +325,8 @@ def build_step(
     cfg: TrainConfig, model: GPT, opt: optim.GradientTransformation, *, loss_fn=None, mesh=None
 ) -> ft.Step:
     """The composition, in one place, innermost first (``loss_fn``: default ``make_loss_fn``;
-    the Hugging Face recipe passes its own; ``mesh``: the ``("dp", "tp")`` mesh of ``--tp``,
-    made here if not given).
+    the Hugging Face recipe passes its own; ``mesh``: the mesh of ``--tp`` or ``--pp``
+    (``model_parallel.build_mesh``), made here if not given).
 
     Autocast, checkpoint and accumulate act on different phases (the forward's precision, what it
     keeps for backward, how a batch is split), so their order among themselves does not matter.
@@ -360,9 +355,13 @@ def build_step(
         step = ft.accumulate(step, cfg.micro_batches)
     if cfg.offload != "none":  # before shard: each rank's ZeRO/fsdp optimizer offloads its shards
         step = ft.offload(step, cfg.offload)
-    if cfg.tp > 1:  # the matrices over tp processes, the batch (and with zero/fsdp the state)
+    if cfg.pp > 1:  # the blocks over pp processes, the batch (and with zero the state) over dp
+        mesh = mesh if mesh is not None else model_parallel.build_mesh(cfg)
+        step = model_parallel.build_pipeline(cfg, model, mesh)(step)
+        step = ft.shard(step, cfg.shard if cfg.shard != "none" else "ddp", mesh=mesh["dp"])
+    elif cfg.tp > 1:  # the matrices over tp processes, the batch (and with zero/fsdp the state)
         mesh = mesh if mesh is not None else ft.distributed.tp_mesh(cfg.tp)  # over the dp groups
-        step = build_tensor_parallel(cfg, model, mesh)(step)
+        step = model_parallel.build_tensor_parallel(cfg, model, mesh)(step)
         step = ft.shard(step, cfg.shard if cfg.shard != "none" else "ddp", mesh=mesh["dp"])
     elif cfg.shard != "none":
         step = ft.shard(step, cfg.shard)

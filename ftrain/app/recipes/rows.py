@@ -25,6 +25,7 @@ import torch
 import ftrain as ft
 from ftrain import data
 from ftrain.app.config import TrainConfig
+from ftrain.app.model_parallel import data_parallel, model_parallel
 from ftrain.app.recipes import corpus, placement
 
 __all__ = ["Rows", "build", "rows_per_step", "steps_per_epoch", "with_length"]
@@ -86,10 +87,10 @@ def build(
             file=sys.stderr,
         )
     # one global sample order for every number of processes: this process takes its stride of it
-    # (under --tp the tp processes of a group share one stride: rank = dp * tp + tp rank)
+    # (under --tp / --pp the processes of a group share one stride: rank = dp * (tp x pp) + ...)
     loader = data.loader(train, cfg.batch_size * cfg.micro_batches, seed=cfg.seed, infinite=True,
-                         num_workers=cfg.num_workers, rank=rank // cfg.tp,
-                         world_size=world // cfg.tp, device=cfg.device)  # fmt: skip
+                         num_workers=cfg.num_workers, rank=rank // model_parallel(cfg),
+                         world_size=data_parallel(cfg, world), device=cfg.device)  # fmt: skip
     return Rows(loader, train, valid, off, how)
 
 
@@ -107,8 +108,9 @@ def _flags(text: str) -> str:
 
 
 def rows_per_step(cfg: TrainConfig, world: int = 1) -> int:
-    """Rows of one optimizer step over all processes (the tp processes of a group share rows)."""
-    return cfg.batch_size * cfg.micro_batches * (world // cfg.tp)
+    """Rows of one optimizer step over all processes (the tp x pp processes of a group share
+    rows)."""
+    return cfg.batch_size * cfg.micro_batches * data_parallel(cfg, world)
 
 
 def steps_per_epoch(cfg: TrainConfig, train: data.TokenDataset, world: int = 1) -> float:

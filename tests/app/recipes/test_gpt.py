@@ -9,7 +9,7 @@ import torch
 
 import ftrain as ft
 from ftrain import optim
-from ftrain.app import recipes
+from ftrain.app import model_parallel, recipes
 from ftrain.app.cli import main, parser
 from ftrain.app.config import TrainConfig, from_args
 from ftrain.app.recipes import gpt
@@ -284,7 +284,7 @@ def _born_and_whole_on_this_rank(cfg):
         whole = shard_state(whole, "fsdp")
         born = shard_state(born, "fsdp")  # as the loop does: a LoRA run's adapters (no-op else)
     else:  # the loop's way: tensor-parallel pieces, then split over the dp groups
-        tp = gpt.build_tensor_parallel(cfg, gpt.build_model(cfg), mesh)
+        tp = model_parallel.build_tensor_parallel(cfg, gpt.build_model(cfg), mesh)
         whole = shard_state(tp.shard_state(whole), "fsdp", mesh["dp"])
     same = all(
         type(a) is type(b) and torch.equal(mine(a), mine(b))
