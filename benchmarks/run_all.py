@@ -18,7 +18,7 @@ from _common import RESULTS, machine
 
 HERE = Path(__file__).resolve().parent
 SCRIPTS = ["step_overhead", "transforms", "data", "optimizers", "mfu", "shard", "vmap",
-           "checkpoint", "memory", "lora", "born", "offload", "offload_plan"]  # fmt: skip
+           "checkpoint", "memory", "lora", "born", "offload", "offload_plan", "pipeline"]  # fmt: skip
 
 
 def main(names: list[str]) -> int:
