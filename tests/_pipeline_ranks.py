@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 import ftrain as ft
+from ftrain.distributed.pipeline.runner import refusal
 
 from _tiny import lm_batch, lm_loss, tiny_gpt
 
@@ -19,7 +20,12 @@ ROWS, STEPS, MICRO = 8, 3, 4
 # unequal valid tokens per row, so the micro-batches' counts differ: the one division by the
 # whole batch's count is what makes the pipeline equal one process
 LENGTHS = (2, 5, 16, 16, 7, 1, 16, 9)
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zero-bubble", "zbv")
+ALL = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zero-bubble", "zbv")
+# those this torch runs over gloo (torch 2.11's zbv cannot start there: ft.pipeline says so)
+SCHEDULES = tuple(s for s in ALL if refusal(s, "gloo") is None)
+
+
+FOUR = tuple(s for s in ("1f1b", "interleaved-1f1b", "zbv") if s in SCHEDULES)
 
 
 def batches(steps: int = STEPS) -> list[dict[str, torch.Tensor]]:
@@ -167,7 +173,7 @@ def on_four_ranks() -> dict:
     torch.set_num_threads(1)
     out = {}
     mesh = ft.distributed.pipeline.pp_mesh(pp=4)
-    for s in ("1f1b", "interleaved-1f1b", "zbv"):
+    for s in FOUR:
         out[f"pp4 {s}"] = _run(mesh, "plain", s, n_layer=8)
     mesh = ft.distributed.pipeline.pp_mesh(pp=2)  # dp 2 x pp 2
     for shard in ("ddp", "zero1", "zero2"):

@@ -48,7 +48,14 @@ from ftrain.distributed.pipeline.cut import (
     family_of,
     stage_ranks,
 )
-from ftrain.distributed.pipeline.runner import SCHEDULES, SINGLE_STAGE, V_SHAPED, Runner, StageInput
+from ftrain.distributed.pipeline.runner import (
+    SCHEDULES,
+    SINGLE_STAGE,
+    V_SHAPED,
+    Runner,
+    StageInput,
+    refusal,
+)
 from ftrain.internals.blocks import replace_forwards
 from ftrain.losses import Loss
 from ftrain.optim.primitives import global_norm, with_whole_model_norm
@@ -364,6 +371,9 @@ def pipeline(
         raise ValueError(
             f"ft.pipeline(schedule={schedule!r}): expected one of {sorted(SCHEDULES)}."
         )
+    refused = refusal(schedule, dist.get_backend())
+    if refused:
+        raise ValueError(f"ft.pipeline(schedule={schedule!r}): {refused}.")
     family = family or family_of(model)
     family.check(model)
     pp = mesh["pp"].size()

@@ -33,7 +33,7 @@ from ftrain.distributed.pipeline.cut import Family, StageCut, stage_module
 from ftrain.internals.batch import batch_rows, split_batch
 from ftrain.step.engine import nonzero
 
-__all__ = ["SCHEDULES", "V_SHAPED", "Stage", "StageInput", "Runner"]
+__all__ = ["SCHEDULES", "V_SHAPED", "Stage", "StageInput", "Runner", "refusal"]
 
 # ft.pipeline's schedule names -> torch.distributed.pipelining's (get_schedule_class)
 SCHEDULES = {
@@ -46,6 +46,26 @@ SCHEDULES = {
 }
 SINGLE_STAGE = {"gpipe", "1f1b"}  # one stage per rank; the others take several
 V_SHAPED = {"zbv"}  # two stages per rank, placed r and 2 pp - 1 - r
+
+
+def refusal(schedule: str, backend: str) -> str | None:
+    """Why ``schedule`` cannot run with this torch over ``backend``, or None. Before torch
+    2.13 (its schedules' ``_initialize_pp_stages``), a multi-stage schedule's first step sends
+    each stage's neighbours a message from one batch of sends, and gloo refuses a rank sending
+    to itself, which the V placement does (rank 0 holds the first and the last stage)."""
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti
+
+    if (
+        schedule in V_SHAPED
+        and backend == "gloo"
+        and not hasattr(PipelineScheduleMulti, "_initialize_pp_stages")
+    ):
+        return (
+            f"torch {torch.__version__}'s {SCHEDULES[schedule]} schedule cannot start over gloo "
+            "(its first step has rank 0 send to itself); use 'interleaved-zero-bubble', or "
+            "torch >= 2.13"
+        )
+    return None
 
 
 class Stage(nn.Module):
