@@ -142,6 +142,12 @@ RULES: tuple[Rule, ...] = (
         "pipeline schedule interleaves the micro-batches of its stages.",
         "Shard the state over dp with 'zero1' or 'zero2' under {a}.",
     ),
+    Rule(
+        PIPELINES,
+        SPLITS_MATRICES,
+        "tensor-parallel stages are not supported yet: {a} lays out whole tensors per stage.",
+        "Use {a} with ft.shard over dp, or {b} without {a}.",
+    ),
 )
 
 
@@ -182,13 +188,13 @@ def check_combination(transforms: Sequence[Transform]) -> None:
     declared = [(t, t.capabilities()) for t in transforms]
     for i, (x, cx) in enumerate(declared):
         for y, cy in declared[i + 1 :]:
-            for cap in sorted(cx.keys() & cy.keys() - SHAREABLE):
-                raise _twice(x, y, cap)
-            for rule in RULES:
+            for rule in RULES:  # first: a rule says why the two clash, not only that they do
                 for p, cp, q, cq in ((x, cx, y, cy), (y, cy, x, cx)):
                     if rule.a in cp and rule.b in cq:
                         if rule.clash is None or rule.clash(cp[rule.a], cq[rule.b]):
                             raise _conflict(p, q, rule)
+            for cap in sorted(cx.keys() & cy.keys() - SHAREABLE):
+                raise _twice(x, y, cap)
 
 
 def check_engines(changed: Sequence[Transform]) -> None:

@@ -133,3 +133,22 @@ def test_the_template_is_left_as_it_was():
 def test_a_step_without_process_group_is_refused():
     with pytest.raises(RuntimeError, match="pipeline"):
         ft.pipeline(tiny_gpt(), None)
+
+
+def test_tensor_parallel_stages_and_fsdp_are_refused_with_the_reason():
+    from ftrain.step import capabilities as c
+
+    class Declares(ft.Transform):
+        def __init__(self, name, caps):
+            self.name, self.caps = name, caps
+
+        def capabilities(self):
+            return self.caps
+
+    pipe = Declares("pipeline", {c.PIPELINES: "pp=2", c.DATA_PARALLEL_OVER: "ranks [0]"})
+    tp = Declares("tensor_parallel", {c.SPLITS_MATRICES: "tp=2", c.DATA_PARALLEL_OVER: "ranks [0]"})
+    fsdp = Declares("shard", {c.GATHERS_PARAMS: ""})
+    with pytest.raises(ValueError, match="tensor-parallel stages are not supported yet"):
+        c.check_combination([pipe, tp])
+    with pytest.raises(ValueError, match="'zero1' or 'zero2'"):
+        c.check_combination([fsdp, pipe])
