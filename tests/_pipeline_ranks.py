@@ -13,6 +13,7 @@ import torch
 
 import ftrain as ft
 from ftrain.distributed.pipeline.runner import refusal
+from ftrain.distributed.tensor_parallel.plans import gpt_plan
 
 from _tiny import lm_batch, lm_loss, tiny_gpt
 
@@ -104,8 +105,13 @@ def _run(mesh, config: str, schedule: str, *, n_layer: int = 4, shard: str | Non
     opt, kw, many, _, donate = CONFIGS[config]
     model = tiny_gpt(n_layer=n_layer, **kw)
     pp = ft.pipeline(model, mesh, schedule=schedule, microbatches=MICRO)
-    state = pp.shard_state(ft.TrainState.create(ft.params_of(model), opt()))
-    step = many(pp(ft.train_step(lm_loss(model), opt(), donate=donate)))
+    state = ft.TrainState.create(ft.params_of(model), opt())
+    step = ft.train_step(lm_loss(model), opt(), donate=donate)
+    if mesh["tp"].size() > 1:  # tensor-parallel stages: the matrices split, then the stages kept
+        tp = ft.tensor_parallel(model, gpt_plan(), mesh)
+        state, step = tp.shard_state(state), tp(step)
+    state = pp.shard_state(state)
+    step = many(pp(step))
     dp = mesh["dp"].size()
     if shard is not None:
         state = ft.shard_state(state, shard, mesh=mesh["dp"])
@@ -116,8 +122,8 @@ def _run(mesh, config: str, schedule: str, *, n_layer: int = 4, shard: str | Non
     for b in batches(steps):
         state, m = step(state, {k: v[me * per : (me + 1) * per] for k, v in b.items()})
         out.append(_metrics(m))
-    if shard is not None:
-        state = ft.unshard_state(state)
+    if shard is not None or mesh["tp"].size() > 1:
+        state = ft.unshard_state(state)  # dp's and tp's pieces whole, then the stages
     return {"state": pp.unshard_state(state), "metrics": out, "keys": sorted(pp.keys)}
 
 
@@ -178,4 +184,13 @@ def on_four_ranks() -> dict:
     mesh = ft.distributed.pipeline.pp_mesh(pp=2)  # dp 2 x pp 2
     for shard in ("ddp", "zero1", "zero2"):
         out[f"dp2 pp2 {shard}"] = _run(mesh, "plain", "1f1b", shard=shard)
+    mesh = ft.distributed.pipeline.pp_mesh(pp=2, tp=2)  # pp 2 x tp 2
+    out["pp2 tp2"] = _run(mesh, "plain", "interleaved-1f1b", shard="ddp")
     return out
+
+
+def on_eight_ranks() -> dict:
+    """The 3-D mesh: dp 2 x pp 2 x tp 2, zero1 over dp."""
+    torch.set_num_threads(1)
+    mesh = ft.distributed.pipeline.pp_mesh(pp=2, tp=2)
+    return {"dp2 pp2 tp2": _run(mesh, "plain", "1f1b", shard="zero1")}

@@ -138,6 +138,15 @@ def pipeline_four_ranks() -> list[dict]:
     return run_distributed(on_four_ranks, 4, timeout=400)
 
 
+@pytest.fixture(scope="session")
+def pipeline_eight_ranks() -> list[dict]:
+    """What :func:`_pipeline_ranks.on_eight_ranks` returned on each of 8 gloo processes: the
+    3-D mesh, dp 2 x pp 2 x tp 2 (about a minute on 2 cores)."""
+    from _pipeline_ranks import on_eight_ranks
+
+    return run_distributed(on_eight_ranks, 8, timeout=600)
+
+
 # --- the memory planner's 2-rank run (tests/memory/test_predict.py, tests/memory/test_fake_fsdp.py) ------
 
 

@@ -5,7 +5,7 @@
     torchrun --nproc_per_node 2 -m ftrain train --shard ddp
 
     from ftrain.app.config import TrainConfig
-from ftrain.app.model_parallel import data_parallel, model_parallel, pipeline_of, whole_state
+from ftrain.app.model_parallel import data_parallel, lay_out, model_parallel, pipeline_of, whole_state
     from ftrain.app.loop import train
     summary = train(TrainConfig(max_steps=100, out="runs/a"))   # {"step", "loss", "seconds", ...}
 
@@ -34,13 +34,19 @@ import ftrain as ft
 from ftrain import distributed
 from ftrain.app import resume, run_folder
 from ftrain.app.config import TrainConfig
-from ftrain.app.model_parallel import data_parallel, model_parallel, pipeline_of, whole_state
+from ftrain.app.model_parallel import (
+    data_parallel,
+    lay_out,
+    model_parallel,
+    pipeline_of,
+    whole_state,
+)
 from ftrain.app.recipes import finetune, for_config, gpt, placement
 from ftrain.app.resume import RESUME_FIXED
 from ftrain.app.sinks import Sink, check_sink, make_sinks
 
 # The one import of the sharding helpers (the recipe composes the step with the public ft.shard).
-from ftrain.distributed import shard_state, unshard, unshard_state
+from ftrain.distributed import unshard, unshard_state
 from ftrain.distributed.dtensor import is_dtensor
 from ftrain.io.sharded import is_sharded
 from ftrain.transforms import Pipeline, TensorParallel
@@ -91,17 +97,11 @@ def _train(cfg: TrainConfig, rank: int, world: int, sinks: Sequence[Sink]) -> di
     run = _Run(cfg, rank, world, out, recipe, pipe)
     state = recipe.state
     tp = next((t for t in recipe.step.transforms if isinstance(t, TensorParallel)), None)
-    # gpt.born_sharded: the params laid out at birth (a LoRA run's base is; its adapters are not)
-    born = any(is_dtensor(t) for t in ft.tree.leaves(state.params))
+    born = any(is_dtensor(t) for t in ft.tree.leaves(state.params))  # gpt.born_sharded (LoRA: base)
     if pipe is not None:  # a pipeline's checkpoints are whole: restored whole, then laid out
         state, start = _restore(run, state)
-    split = pipe if pipe is not None else tp if not born else None
-    if split is not None:  # whole tensors -> this process's pieces (stages), then over dp
-        state = split.shard_state(state)
-        if cfg.shard not in ("none", "ddp"):
-            state = shard_state(state, cfg.shard, mesh=split.mesh["dp"])
-    elif cfg.shard != "none" and not born:
-        state = shard_state(state, cfg.shard)  # whole tensors -> this process's layout
+    if not born:  # whole tensors -> this process's pieces (tp's, the stages, over dp)
+        state = lay_out(cfg, state, tp, pipe)
     if pipe is None:
         state, start = _restore(run, state)  # each process reads only what it keeps
     log = run_folder.MetricsLog(out / "metrics.jsonl", start) if main else None

@@ -19,6 +19,7 @@ __all__ = [
     "build_pipeline",
     "build_tensor_parallel",
     "pipeline_of",
+    "lay_out",
     "whole_state",
 ]
 
@@ -76,7 +77,7 @@ def check_pp(cfg: Any) -> None:
     if cfg.pp == 1:
         return
     refused = {
-        "tp": cfg.tp > 1,  # ft.pipeline runs tp's rewrite on its stages: not yet tested
+        "sequence-parallel": cfg.sequence_parallel,  # its engine and the pipeline's are two
         "shard fsdp": cfg.shard == "fsdp",
         "compile": cfg.compile,
         "lora-rank": bool(cfg.lora_rank),
@@ -89,7 +90,7 @@ def check_pp(cfg: Any) -> None:
         if bad:
             raise ValueError(
                 f"--pp {cfg.pp} cannot be combined with --{flag} (pipeline parallelism composes "
-                "with --shard ddp/zero1/zero2 over the data-parallel groups, accumulation, "
+                "with --tp, --shard ddp/zero1/zero2 over the data-parallel groups, accumulation, "
                 f"checkpointing and precision); use --pp {cfg.pp} without --{flag}"
             )
     if cfg.pp_microbatches is not None:
@@ -141,6 +142,23 @@ def pipeline_of(step: Any):
     from ftrain.transforms import Pipeline
 
     return next((t for t in step.transforms if isinstance(t, Pipeline)), None)
+
+
+def lay_out(cfg: Any, state: Any, tp: Any, pipe: Any):
+    """A whole state as this process holds it: ``tp``'s pieces (``--tp``), then the pipeline's
+    stages (``--pp``), then ``--shard``'s layout over the data-parallel groups (under either,
+    over their mesh's ``dp``; ddp's there is the plain tensors)."""
+    from ftrain.distributed import shard_state
+
+    for split in (tp, pipe):
+        if split is not None:
+            state = split.shard_state(state)
+    split = pipe if pipe is not None else tp
+    if split is None:
+        return state if cfg.shard == "none" else shard_state(state, cfg.shard)
+    if cfg.shard in ("none", "ddp"):
+        return state
+    return shard_state(state, cfg.shard, mesh=split.mesh["dp"])
 
 
 def whole_state(pipe: Any, state: Any):

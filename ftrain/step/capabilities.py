@@ -85,6 +85,7 @@ SHAREABLE = frozenset(
         SHARDED_PARAMS,
         COMBINES_ROWS,
         WEIGHS_ROWS,
+        DATA_PARALLEL_OVER,  # by transforms splitting one mesh's model (tp and pp): a rule below
     }
 )
 
@@ -143,10 +144,11 @@ RULES: tuple[Rule, ...] = (
         "Shard the state over dp with 'zero1' or 'zero2' under {a}.",
     ),
     Rule(
-        PIPELINES,
-        SPLITS_MATRICES,
-        "tensor-parallel stages are not supported yet: {a} lays out whole tensors per stage.",
-        "Use {a} with ft.shard over dp, or {b} without {a}.",
+        DATA_PARALLEL_OVER,
+        DATA_PARALLEL_OVER,
+        "both split the model over one mesh, whose 'dp' ranks {a} and {b} must share.",
+        "Build {a} and {b} on the same mesh (ft.distributed.pipeline.pp_mesh).",
+        clash=lambda mine, theirs: mine != theirs,
     ),
 )
 

@@ -99,7 +99,7 @@ def test_tp_flags_that_do_not_compose_are_usage_errors(flags, message, capsys):
         (["--pp", "0"], "--pp must be an int >= 1"),
         (["--pp", "2", "--shard", "fsdp"], "--pp 2 cannot be combined with --shard fsdp"),
         (["--pp", "2", "--compile"], "--pp 2 cannot be combined with --compile"),
-        (["--pp", "2", "--tp", "2"], "--pp 2 cannot be combined with --tp"),
+        (["--pp", "2", "--tp", "2", "--sequence-parallel"], "cannot be combined with --sequence"),
         (["--pp", "2", "--pack"], "--pp 2 cannot be combined with --pack"),
         (["--pp", "2", "--pp-schedule", "nope"], "--pp-schedule: invalid choice: 'nope'"),
         (["--pp", "4", "--pp-microbatches", "2"], "--pp-microbatches 2 is fewer than the --pp 4"),

@@ -96,6 +96,16 @@ def test_data_parallel_times_pipeline_equals_one_process(pipeline_four_ranks, st
     _check([r[f"dp2 pp2 {strategy}"] for r in pipeline_four_ranks], "plain")
 
 
+def test_tensor_parallel_stages_equal_one_process(pipeline_four_ranks):
+    """pp 2 x tp 2: each stage's matrices split over its tp pair (interleaved 1F1B)."""
+    _check([r["pp2 tp2"] for r in pipeline_four_ranks], "plain")
+
+
+def test_the_3d_mesh_equals_one_process(pipeline_eight_ranks):
+    """dp 2 x pp 2 x tp 2 on 8 processes, zero1 over dp."""
+    _check([r["dp2 pp2 tp2"] for r in pipeline_eight_ranks], "plain")
+
+
 # -- one process: the cut ------------------------------------------------------------------------
 
 
@@ -135,7 +145,7 @@ def test_a_step_without_process_group_is_refused():
         ft.pipeline(tiny_gpt(), None)
 
 
-def test_tensor_parallel_stages_and_fsdp_are_refused_with_the_reason():
+def test_fsdp_and_another_mesh_are_refused_with_the_reason():
     from ftrain.step import capabilities as c
 
     class Declares(ft.Transform):
@@ -145,10 +155,14 @@ def test_tensor_parallel_stages_and_fsdp_are_refused_with_the_reason():
         def capabilities(self):
             return self.caps
 
-    pipe = Declares("pipeline", {c.PIPELINES: "pp=2", c.DATA_PARALLEL_OVER: "ranks [0]"})
-    tp = Declares("tensor_parallel", {c.SPLITS_MATRICES: "tp=2", c.DATA_PARALLEL_OVER: "ranks [0]"})
+    pipe = Declares("pipeline", {c.PIPELINES: "pp=2", c.DATA_PARALLEL_OVER: "ranks [0, 2]"})
+    same = Declares(
+        "tensor_parallel", {c.SPLITS_MATRICES: "", c.DATA_PARALLEL_OVER: "ranks [0, 2]"}
+    )
+    other = Declares("tensor_parallel", {c.SPLITS_MATRICES: "", c.DATA_PARALLEL_OVER: "ranks [0]"})
     fsdp = Declares("shard", {c.GATHERS_PARAMS: ""})
-    with pytest.raises(ValueError, match="tensor-parallel stages are not supported yet"):
-        c.check_combination([pipe, tp])
+    c.check_combination([pipe, same])  # one mesh: they compose
+    with pytest.raises(ValueError, match="same mesh"):
+        c.check_combination([pipe, other])
     with pytest.raises(ValueError, match="'zero1' or 'zero2'"):
         c.check_combination([fsdp, pipe])

@@ -355,8 +355,10 @@ def build_step(
         step = ft.accumulate(step, cfg.micro_batches)
     if cfg.offload != "none":  # before shard: each rank's ZeRO/fsdp optimizer offloads its shards
         step = ft.offload(step, cfg.offload)
-    if cfg.pp > 1:  # the blocks over pp processes, the batch (and with zero the state) over dp
+    if cfg.pp > 1:  # the blocks over pp processes (their matrices over tp), the batch over dp
         mesh = mesh if mesh is not None else model_parallel.build_mesh(cfg)
+        if cfg.tp > 1:
+            step = model_parallel.build_tensor_parallel(cfg, model, mesh)(step)
         step = model_parallel.build_pipeline(cfg, model, mesh)(step)
         step = ft.shard(step, cfg.shard if cfg.shard != "none" else "ddp", mesh=mesh["dp"])
     elif cfg.tp > 1:  # the matrices over tp processes, the batch (and with zero/fsdp the state)

@@ -29,6 +29,7 @@ from tensordict import TensorDict
 from torch import nn
 
 from ftrain import tree
+from ftrain.distributed.dtensor import is_dtensor, like, local
 from ftrain.distributed.pipeline.cut import Family, StageCut, stage_module
 from ftrain.internals.batch import batch_rows, split_batch
 from ftrain.step.engine import nonzero
@@ -265,14 +266,14 @@ class Runner:
         device = grads[0].device if grads else torch.device("cpu")
         for k in sorted(self.shared):
             i = at.get(k)
-            if i is not None:
-                g = out[i].clone()
-            else:
+            if i is not None:  # a tensor-parallel one: its piece (the same on every holder)
+                g = (local(out[i]) if is_dtensor(out[i]) else out[i]).clone()
+            else:  # a tied tensor tensor parallelism splits is refused when built
                 shape, dtype = self.shapes[k]
                 g = torch.zeros(shape, dtype=dtype, device=device)
             dist.all_reduce(g, group=self.group)
             if i is not None:
-                out[i] = g
+                out[i] = like(g, out[i]) if is_dtensor(out[i]) else g
         return out
 
     def counted_here(self, key: str) -> bool:
