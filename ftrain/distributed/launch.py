@@ -32,6 +32,7 @@ __all__ = [
     "rank_and_world",
     "run_distributed",
     "DistributedError",
+    "dp_ranks",
     "require_group",
     "default_mesh",
     "check_mesh",
@@ -74,6 +75,14 @@ def init(backend: str | None = None) -> tuple[int, int]:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(backend)
     return rank_and_world()
+
+
+def dp_ranks(mesh: Any) -> str:
+    """What a transform built on ``mesh`` declares as ``DATA_PARALLEL_OVER``: the ranks of its
+    ``"dp"`` dimension (where the batch must be split), or that it has none."""
+    if "dp" not in (mesh.mesh_dim_names or ()):
+        return "none: its mesh has no 'dp' dimension"
+    return f"ranks {sorted(mesh['dp'].mesh.flatten().tolist())}"
 
 
 # -- N local processes ------------------------------------------------------------------------

@@ -38,7 +38,7 @@ from torch import nn
 from ftrain import tree
 from ftrain.apply import apply, rewritten
 from ftrain.distributed.dtensor import is_dtensor
-from ftrain.distributed.launch import require_group
+from ftrain.distributed.launch import dp_ranks, require_group
 from ftrain.distributed.pipeline.cut import (
     Family,
     blocks_of,
@@ -135,17 +135,11 @@ class Pipeline(Transform):
 
     # -- hooks ----------------------------------------------------------------------------------
     def capabilities(self) -> Mapping[str, str]:
-        dims = self.mesh.mesh_dim_names
-        over = (
-            f"ranks {sorted(self.mesh['dp'].mesh.flatten().tolist())}"
-            if "dp" in dims
-            else "none: its mesh has no 'dp' dimension"
-        )
         return {
             PIPELINES: f"pp={self.pp}",
             REPLACES_ENGINE: "torch.distributed.pipelining's schedule runs forward and backward",
             SHARDED_STATE: "",
-            DATA_PARALLEL_OVER: over,
+            DATA_PARALLEL_OVER: dp_ranks(self.mesh),
             UNTRACEABLE: "its schedule sends activations between processes from Python; run "
             "the pipelined step eagerly",
         }

@@ -49,7 +49,7 @@ from torch import nn
 from ftrain import tree
 from ftrain.apply import rewritten
 from ftrain.distributed.dtensor import is_dtensor, on_shards
-from ftrain.distributed.launch import require_group
+from ftrain.distributed.launch import dp_ranks, require_group
 from ftrain.distributed.tensor_parallel.linear import PairCollectives, megatron
 from ftrain.distributed.tensor_parallel.mesh import check_tp_mesh, lay_out, lay_out_state
 from ftrain.distributed.tensor_parallel.model import tp_copy
@@ -147,17 +147,11 @@ class TensorParallel(Transform):
 
     # -- building -------------------------------------------------------------------------------
     def capabilities(self):
-        dims = self.mesh.mesh_dim_names
-        over = (
-            f"ranks {sorted(self.mesh['dp'].mesh.flatten().tolist())}"
-            if "dp" in dims
-            else "none: its mesh has no 'dp' dimension"
-        )
         return {
             SPLITS_MATRICES: f"tp={self.tp}",
             SHARDED_PARAMS: "tensor parallel",
             SHARDED_STATE: "tensor parallel",
-            DATA_PARALLEL_OVER: over,
+            DATA_PARALLEL_OVER: dp_ranks(self.mesh),
             UNTRACEABLE: "its collectives run on DTensor params; run the tensor-parallel step "
             "eagerly",
         }
