@@ -160,6 +160,10 @@ def _errors(mesh) -> dict[str, str]:
         pp.shard_state(state)
     except ValueError as e:
         out["twice"] = str(e)
+    try:  # the whole state, not laid out
+        step(ft.TrainState.create(ft.params_of(model), adamw()), lm_batch(8, seed=1))
+    except ValueError as e:
+        out["whole"] = str(e)
     return out
 
 

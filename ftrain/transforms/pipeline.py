@@ -87,7 +87,6 @@ class Pipeline(Transform):
     inputs: Callable[[Any], torch.Tensor] = dataclasses.field(repr=False)
     family: Family = dataclasses.field(repr=False)
     runner: Runner = dataclasses.field(repr=False)
-    rank: int = dataclasses.field(repr=False)
 
     @property
     def pp(self) -> int:
@@ -115,8 +114,8 @@ class Pipeline(Transform):
             missing = sorted(set(names) - set(have))[:3]
             raise ValueError(
                 "pipeline.shard_state: expected the whole model's params (ft.params_of(model)); "
-                f"{'missing ' + str(missing) if missing else 'got other keys'}. A state already "
-                "laid out is used as it is; a checkpoint: load it whole and lay it out again."
+                f"{'missing ' + str(missing) if missing else 'got other keys'}. Lay a state out "
+                "once, after creating or loading it whole (a pipeline's checkpoints are whole)."
             )
         mine, keys = set(self.runner.keys), {k: i for i, k in enumerate(names)}
         return state.replace(
@@ -146,6 +145,22 @@ class Pipeline(Transform):
 
     def engine(self, engine):
         return PipelineEngine(self.runner)
+
+    def wrap(self, fn, stage: str):
+        if stage != "eager":
+            return fn
+        mine = sorted(self.runner.keys)
+
+        def laid_out(state, batch):
+            if sorted(tree.paths(state.params)) != mine:
+                raise ValueError(
+                    "ft.pipeline: the state's params are not this rank's stages'. Call state = "
+                    "pp.shard_state(state) once, after creating or loading the whole state "
+                    "(pp = ft.pipeline(model, mesh, ...))."
+                )
+            return fn(state, batch)
+
+        return laid_out
 
     def forward(self, fn):
         answered = rewritten(fn, self, "ft.pipeline")
@@ -412,7 +427,7 @@ def pipeline(
             owner[i] = r
     rank = mesh["pp"].get_local_rank()
     read = inputs if callable(inputs) else (lambda batch, key=inputs: batch[key])
-    device = _device_of(model)
+    device = _stage_device()
     runner = Runner(
         model,
         family,
@@ -425,10 +440,11 @@ def pipeline(
         read,
         device,
     )
-    return Pipeline(model, mesh, schedule, microbatches, tuple(split), read, family, runner, rank)
+    return Pipeline(model, mesh, schedule, microbatches, tuple(split), read, family, runner)
 
 
-def _device_of(model: nn.Module) -> torch.device:
+def _stage_device() -> torch.device:
+    """Where this rank's stages run: its GPU under NCCL, else the CPU."""
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

@@ -84,6 +84,7 @@ def test_errors_at_the_first_call_name_the_fix(pipeline_two_ranks):
     errors = pipeline_two_ranks[0]["errors"]
     assert "6 rows" in errors["rows"] and "multiple of microbatches" in errors["rows"]
     assert "shard_state" in errors["twice"] and "whole model" in errors["twice"]
+    assert "pp.shard_state(state)" in errors["whole"]
 
 
 @pytest.mark.parametrize("schedule", FOUR)
