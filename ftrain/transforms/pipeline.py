@@ -323,7 +323,7 @@ def pipeline(
     *,
     schedule: str = "1f1b",
     microbatches: int | None = None,
-    stages: Sequence[int] | None = None,
+    stages: Sequence[int] | Sequence[Sequence[str]] | None = None,
     virtual: int = 2,
     inputs: str | Callable[[Any], torch.Tensor] = "input",
     family: Family | None = None,
@@ -348,7 +348,8 @@ def pipeline(
             rank, V-shaped): ``torch.distributed.pipelining``'s schedules.
         microbatches: into how many equal micro-batches the schedule splits each batch (default:
             twice the number of stages); the batch rows must be a multiple of it.
-        stages: the number of blocks of each stage, in order (default: even).
+        stages: the number of blocks of each stage, in order, or each stage's blocks by module
+            name (``[["blocks.0", "blocks.1"], ["blocks.2"]]``); default: as even as they go.
         virtual: stages per rank for the interleaved schedules.
         inputs: the batch field the first stage reads (or a function ``batch -> tensor``).
         family: how to run a stage of a model ``ftrain.distributed.pipeline.families()`` does
@@ -407,7 +408,7 @@ def pipeline(
     split = (
         even_split(n_blocks, n_stages)
         if stages is None
-        else check_split(stages, n_blocks, n_stages)
+        else check_split(stages, n_blocks, n_stages, family.blocks)
     )
     if microbatches is None:
         microbatches = 2 * n_stages

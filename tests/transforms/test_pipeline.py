@@ -167,3 +167,15 @@ def test_fsdp_and_another_mesh_are_refused_with_the_reason():
         c.check_combination([pipe, other])
     with pytest.raises(ValueError, match="'zero1' or 'zero2'"):
         c.check_combination([fsdp, pipe])
+
+
+def test_stages_by_counts_or_by_block_names():
+    from ftrain.distributed.pipeline.cut import check_split
+
+    assert check_split([3, 1], 4, 2, "blocks") == [3, 1]
+    names = [["blocks.0", "blocks.1", "blocks.2"], ["blocks.3"]]
+    assert check_split(names, 4, 2, "blocks") == [3, 1]
+    with pytest.raises(ValueError, match="each at least 1"):
+        check_split([4, 0], 4, 2, "blocks")
+    with pytest.raises(ValueError, match="name every block of blocks once, in order"):
+        check_split([["blocks.0", "blocks.2"], ["blocks.1", "blocks.3"]], 4, 2, "blocks")

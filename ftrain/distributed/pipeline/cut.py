@@ -136,9 +136,23 @@ def even_split(n_blocks: int, n_stages: int) -> list[int]:
     return [per + (1 if s < extra else 0) for s in range(n_stages)]
 
 
-def check_split(split: Sequence[int], n_blocks: int, n_stages: int) -> list[int]:
-    """``split`` (blocks per stage) if it has one positive count per stage summing to the blocks."""
+def check_split(
+    split: Sequence[int] | Sequence[Sequence[str]], n_blocks: int, n_stages: int, blocks: str
+) -> list[int]:
+    """Blocks per stage from ``split``: the counts themselves, or each stage's blocks by module
+    name (``[["blocks.0", "blocks.1"], ["blocks.2", "blocks.3"]]``, ``blocks`` the path of their
+    list), in order. Raises unless every stage gets at least one block and each block is in one
+    stage, in the model's order."""
     split = list(split)
+    if split and all(not isinstance(s, (int, str)) for s in split):  # names per stage
+        names = [f"{blocks}.{i}" for i in range(n_blocks)]
+        given = [n for stage in split for n in stage]
+        if given != names:
+            raise ValueError(
+                f"ft.pipeline(stages=...): name every block of {blocks} once, in order, each "
+                f"stage a run of them ({names[:2]}... for the first); got {given[:4]}..."
+            )
+        split = [len(stage) for stage in split]
     if (
         len(split) != n_stages
         or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in split)
