@@ -31,6 +31,8 @@ __all__ = [
     "on_shards",
     "laid_out_like",
     "like",
+    "redistribute",
+    "full_tensor",
     "split_placement",
     "split_factor",
     "shard_dim",
@@ -66,7 +68,20 @@ def _spec(mesh_id: int, mesh, placements: tuple, shape: tuple, stride: tuple, dt
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
     meta = TensorMeta(torch.Size(shape), stride, dtype)
+    if _strided(placements):
+        # A strided placement here means k blocks each split on its own (split_placement), never
+        # a sharding order over mesh dimensions, which is how DTensor reads it by default; torch
+        # 2.11 then refuses to gather one whose factor is no product of mesh sizes (2.13 falls
+        # back to reading it as blocks). Said explicitly, both gather it as blocks.
+        return DTensorSpec(
+            mesh, placements, tensor_meta=meta, use_strided_shard_as_shard_order=False
+        )
     return DTensorSpec(mesh, placements, tensor_meta=meta)
+
+
+def _strided(placements: Sequence) -> bool:
+    """Whether some placement of ``placements`` is :func:`split_placement`'s strided one."""
+    return any(split_factor(p) > 1 for p in placements)
 
 
 def split_placement(dim: int, chunks: int = 1):
@@ -124,6 +139,41 @@ def like(local_t: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     if not is_dtensor(ref):
         return local_t
     return from_local(local_t, ref.device_mesh, ref.placements, ref.shape, ref.stride())
+
+
+def redistribute(t: torch.Tensor, mesh, placements: Sequence) -> torch.Tensor:
+    """``t.redistribute(mesh, placements)`` for tensors that need no gradient, also where either
+    side holds :func:`split_placement`'s strided placement.
+
+    DTensor reads a strided placement as a sharding order over mesh dimensions unless its spec
+    says otherwise, and its own ``redistribute`` makes the target's spec (and its ops their
+    outputs') that way: torch 2.11 then refuses a factor that is no product of mesh sizes (a
+    fused q/k/v split in 3 blocks over 2 processes) where 2.13 falls back to reading blocks. So
+    such a move runs DTensor's private ``redistribute_local_tensor`` between specs built here,
+    which say blocks (the same collectives, on both)."""
+    placements = tuple(placements)
+    if mesh == t.device_mesh and tuple(t.placements) == placements:
+        return t
+    if not (_strided(t.placements) or _strided(placements)):
+        return t.redistribute(mesh, placements)
+    from torch.distributed.tensor._redistribute import redistribute_local_tensor
+
+    shape, stride = tuple(t.shape), tuple(t.stride())
+    src = _spec(id(t.device_mesh), t.device_mesh, tuple(t.placements), shape, stride, t.dtype)
+    dst = _spec(id(mesh), mesh, placements, shape, stride, t.dtype)
+    with torch.no_grad():
+        moved = redistribute_local_tensor(local(t), src, dst)
+    return from_local(moved, mesh, placements, shape, stride)
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole value of a DTensor as a plain tensor on every process (``full_tensor`` for
+    tensors that need no gradient, strided placements included: :func:`redistribute`); a plain
+    tensor as it is."""
+    if not is_dtensor(t):
+        return t
+    mesh = t.device_mesh
+    return local(redistribute(t, mesh, (dtensor().Replicate(),) * mesh.ndim))
 
 
 def _to_local(x: Any) -> Any:
@@ -214,7 +264,7 @@ def _aligned(args: Sequence[Any], refs: list) -> list:
     for a in args:
         if _is_tensor_list(a):
             a = [
-                t.redistribute(r.device_mesh, r.placements)
+                redistribute(t, r.device_mesh, r.placements)
                 if r is not None and t.dim() > 0 and _replicated(t) and not _replicated(r)
                 else t
                 for t, r in zip(a, refs)
@@ -253,7 +303,7 @@ def laid_out_like(new: TensorDictBase, old: TensorDictBase) -> TensorDictBase:
     is a reduce-scatter."""
     news, olds = tree.leaves(new), tree.leaves(old)
     moved = [
-        n.redistribute(o.device_mesh, o.placements)
+        redistribute(n, o.device_mesh, o.placements)
         if is_dtensor(n) and is_dtensor(o) and n.placements != o.placements
         else n
         for n, o in zip(news, olds)
