@@ -167,13 +167,18 @@ def redistribute(t: torch.Tensor, mesh, placements: Sequence) -> torch.Tensor:
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The whole value of a DTensor as a plain tensor on every process (``full_tensor`` for
-    tensors that need no gradient, strided placements included: :func:`redistribute`); a plain
-    tensor as it is."""
+    """The whole value of a DTensor as a plain, contiguous tensor on every process
+    (``full_tensor`` for tensors that need no gradient, strided placements included:
+    :func:`redistribute`); a plain tensor as it is.
+
+    Contiguous as one process would hold it: torch 2.11 gathers a tensor split unevenly along a
+    dimension other than 0 into a padded buffer and returns a view of it (strides of the padded
+    shape), and a reduction over such a view adds in another order (a sum 1 ulp off the same
+    sum over the plain tensor). The copy costs nothing where the gather is already contiguous."""
     if not is_dtensor(t):
         return t
     mesh = t.device_mesh
-    return local(redistribute(t, mesh, (dtensor().Replicate(),) * mesh.ndim))
+    return local(redistribute(t, mesh, (dtensor().Replicate(),) * mesh.ndim)).contiguous()
 
 
 def _to_local(x: Any) -> Any:
