@@ -207,12 +207,19 @@ def test_the_three_compose_with_fp16_autocast(doc):
     assert torch.isfinite(_flat(s.params)).all()
 
 
-def test_the_three_compile_as_one_graph_without_recompiles(doc):
+@pytest.mark.usefixtures("whole_step_graphs")
+def test_the_three_compile_as_one_graph(doc):
+    model, loss_fn = _setup()
+    opt = _sgd()
+    state = ft.TrainState.create(ft.params_of(model), opt)
+    assert_one_graph(_all_three(doc, ft.train_step(loss_fn, opt)), state, _batch(4))
+
+
+def test_the_three_compile_without_recompiles(doc):
     model, loss_fn = _setup()
     opt = _sgd()
     state = ft.TrainState.create(ft.params_of(model), opt)
     step = _all_three(doc, ft.train_step(loss_fn, opt))
-    assert_one_graph(step, state, _batch(4))
     torch._dynamo.reset()
     batches = [_batch(4, seed=i) for i in range(3)]
     compiled, _ = assert_no_recompile(ft.compile(step, backend="eager"), state, batches)
