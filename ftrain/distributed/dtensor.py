@@ -333,13 +333,25 @@ def on_shards(inner: GradientTransformation) -> GradientTransformation:
                     new_u, new_s = inner.update(updates, state, params)
                 return laid_out_like(new_u, updates), laid_out_like(new_s, state)
         except (RuntimeError, NotImplementedError) as e:
-            if "DTensor" not in str(e) and "harding" not in str(e):
-                raise
+            if "DTensor" not in str(e) and "harding" not in str(e) or "ft.shard:" in str(e):
+                raise  # not DTensor's, or already said (on_shards within on_shards)
             raise type(e)(
                 "ft.shard: the optimizer cannot run on sharded state: DTensor refused one of its "
                 f"operations ({str(e).strip().splitlines()[0]}). Use strategy 'ddp' with this "
                 "optimizer, or write the operation out of place (e.g. x.square() rather than "
                 "x.square_() on a reduced tensor) so that DTensor can finish the reduction first."
+            ) from e
+        except ValueError as e:
+            if "shard_order" not in str(e):
+                raise
+            # torch 2.11: a move DTensor plans itself, from or to a tensor split in blocks
+            raise NotImplementedError(
+                f"ft.shard: torch {torch.__version__}'s DTensor cannot move a tensor split in "
+                "blocks (tensor parallelism's fused q/k/v projection, split over 'tp') between "
+                "the layouts one of the optimizer's reductions needs (e.g. adafactor's row and "
+                "column statistics under fsdp over 'dp'); torch 2.13 can. On this torch, pair "
+                "tensor parallelism with an optimizer whose update is elementwise per tensor "
+                f"(adamw, sgd, lion). DTensor said: {str(e).strip().splitlines()[0]}"
             ) from e
 
     return GradientTransformation(inner.init, update)
