@@ -60,19 +60,25 @@ def placements_of(t: torch.Tensor) -> tuple:
 
 
 @functools.lru_cache(maxsize=4096)
-def _spec(mesh_id: int, mesh, placements: tuple, shape: tuple, stride: tuple, dtype: torch.dtype):
+def _spec(
+    mesh_id: int,
+    mesh,
+    placements: tuple,
+    shape: tuple,
+    stride: tuple,
+    dtype: torch.dtype,
+    blocks: bool = False,
+):
     # Keyed by the mesh's identity too: two meshes compare equal by their layout, but a spec must
     # hold the very mesh (and process group) it is used with, not an equal one destroyed since.
     # Private: DTensorSpec and TensorMeta. The public replacement is DTensor.from_local, which
     # runs an autograd function (about 0.3 ms a call on a CPU; a step makes one per tensor).
+    # ``blocks``: a strided placement means k blocks each split on its own (split_placement),
+    # not a sharding order over mesh dimensions, DTensor's default reading (see redistribute).
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
     meta = TensorMeta(torch.Size(shape), stride, dtype)
-    if _strided(placements):
-        # A strided placement here means k blocks each split on its own (split_placement), never
-        # a sharding order over mesh dimensions, which is how DTensor reads it by default; torch
-        # 2.11 then refuses to gather one whose factor is no product of mesh sizes (2.13 falls
-        # back to reading it as blocks). Said explicitly, both gather it as blocks.
+    if blocks:
         return DTensorSpec(
             mesh, placements, tensor_meta=meta, use_strided_shard_as_shard_order=False
         )
@@ -146,11 +152,12 @@ def redistribute(t: torch.Tensor, mesh, placements: Sequence) -> torch.Tensor:
     side holds :func:`split_placement`'s strided placement.
 
     DTensor reads a strided placement as a sharding order over mesh dimensions unless its spec
-    says otherwise, and its own ``redistribute`` makes the target's spec (and its ops their
-    outputs') that way: torch 2.11 then refuses a factor that is no product of mesh sizes (a
-    fused q/k/v split in 3 blocks over 2 processes) where 2.13 falls back to reading blocks. So
-    such a move runs DTensor's private ``redistribute_local_tensor`` between specs built here,
-    which say blocks (the same collectives, on both)."""
+    says otherwise: torch 2.11 then refuses to move one whose factor is no product of mesh sizes
+    (a fused q/k/v split in 3 blocks over 2 processes), where 2.13 falls back to reading blocks.
+    So such a move runs DTensor's private ``redistribute_local_tensor`` between two specs built
+    for it that say blocks (the same collectives, on both). Only for the move: the DTensors
+    handed out keep DTensor's default spec, since 2.13's ops treat a tensor of the other
+    reading beside one of the default as laid out differently (and move one of them wrongly)."""
     placements = tuple(placements)
     if mesh == t.device_mesh and tuple(t.placements) == placements:
         return t
@@ -159,8 +166,8 @@ def redistribute(t: torch.Tensor, mesh, placements: Sequence) -> torch.Tensor:
     from torch.distributed.tensor._redistribute import redistribute_local_tensor
 
     shape, stride = tuple(t.shape), tuple(t.stride())
-    src = _spec(id(t.device_mesh), t.device_mesh, tuple(t.placements), shape, stride, t.dtype)
-    dst = _spec(id(mesh), mesh, placements, shape, stride, t.dtype)
+    src = _spec(id(t.device_mesh), t.device_mesh, tuple(t.placements), shape, stride, t.dtype, True)
+    dst = _spec(id(mesh), mesh, placements, shape, stride, t.dtype, True)
     with torch.no_grad():
         moved = redistribute_local_tensor(local(t), src, dst)
     return from_local(moved, mesh, placements, shape, stride)
