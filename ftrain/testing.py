@@ -211,11 +211,22 @@ def assert_one_graph(step: Step, state: TrainState, batch: Any) -> torch.fx.Grap
     that records the graphs dynamo hands over and runs them as they are (tracing only, no code
     generation: seconds, not minutes). A break fails with dynamo's reasons for it. ``state`` is
     not modified. Returns the graph, e.g. to look at the ops it holds (``graph.print_readable()``).
+    On a torch whose dynamo cannot trace the step's ``requires_grad_`` (2.11) it raises a
+    RuntimeError that says so, before compiling anything.
     """
     if not isinstance(step, Step) or _compiled(step):
         raise TypeError(
             "assert_one_graph(step, ...): pass the step before ft.compile (an ft.Step); the "
             "helper compiles it with a recording backend."
+        )
+    if not dynamo.traces_whole_steps():
+        raise RuntimeError(
+            f"assert_one_graph: torch {torch.__version__}'s dynamo cannot capture a step as one "
+            "graph: it breaks the graph at the requires_grad_ that makes the leaf copies "
+            "torch.autograd.grad differentiates (torch 2.13 traces it). ft.compile still "
+            "compiles the step, as several graphs with the same results; check that with "
+            "assert_no_recompile, or skip the one-graph check where "
+            "ftrain.internals.dynamo.traces_whole_steps() is False."
         )
     graphs: list[torch.fx.GraphModule] = []
 

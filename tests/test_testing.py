@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import ftrain as ft
+from ftrain.internals import dynamo
 from ftrain.testing import (
     assert_no_recompile,
     assert_one_graph,
@@ -177,6 +178,7 @@ def test_assert_no_recompile_catches_a_recompile():
 # --- assert_one_graph -------------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("whole_step_graphs")
 def test_assert_one_graph_returns_the_graph_of_the_whole_step():
     step, state, _ = chain_step(2)
     before = state.clone()
@@ -189,6 +191,7 @@ def test_assert_one_graph_returns_the_graph_of_the_whole_step():
         assert torch.equal(a, b)  # the state passed in is left as it was
 
 
+@pytest.mark.usefixtures("whole_step_graphs")
 def test_assert_one_graph_catches_a_graph_break():
     torch.manual_seed(0)
     model = Chain(1)
@@ -204,6 +207,13 @@ def test_assert_one_graph_catches_a_graph_break():
         AssertionError, match=r"as [2-9] graphs, not 1\. Graph breaks: .*graph_break\(\)"
     ):
         assert_one_graph(ft.train_step(loss_fn, opt), state, torch.randn(B, D))
+
+
+def test_assert_one_graph_says_when_torch_cannot_trace_a_whole_step(monkeypatch):
+    monkeypatch.setattr(dynamo, "traces_whole_steps", lambda: False)
+    step, state, _ = chain_step(1)
+    with pytest.raises(RuntimeError, match=r"cannot capture a step as one graph.*requires_grad_"):
+        assert_one_graph(step, state, torch.randn(B, D))
 
 
 def test_assert_one_graph_needs_the_step_before_compile():

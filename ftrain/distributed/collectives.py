@@ -15,7 +15,15 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from ftrain.distributed.dtensor import dtensor, from_local, is_dtensor, local, placements_of
+from ftrain.distributed.dtensor import (
+    dtensor,
+    from_local,
+    full_tensor,
+    is_dtensor,
+    local,
+    placements_of,
+    redistribute,
+)
 from ftrain.internals import foreach
 
 __all__ = [
@@ -177,7 +185,7 @@ def as_sharded(t: torch.Tensor, mesh, *, copy: bool) -> torch.Tensor:
     if is_dtensor(t):
         if tuple(t.placements) == placements_of(t):
             return t
-        return t.redistribute(mesh, placements_of(t))
+        return redistribute(t, mesh, placements_of(t))
     if t.dim() == 0:
         mine = t.clone() if copy else t
     else:
@@ -198,7 +206,7 @@ def gather_leaves(tensors: Sequence[torch.Tensor], mesh) -> list[torch.Tensor]:
         elif tuple(t.placements) == (d.Shard(0),) and t.device_mesh == mesh:
             flat.append(i)
         else:
-            out[i] = t.full_tensor()
+            out[i] = full_tensor(t)
     if not flat:  # nothing Shard(0) on this mesh (e.g. a tensor-parallel state's 2-D mesh)
         return out  # type: ignore[return-value]
     rank, group = mesh.get_local_rank(), mesh.get_group()

@@ -31,6 +31,8 @@ __all__ = [
     "on_shards",
     "laid_out_like",
     "like",
+    "redistribute",
+    "full_tensor",
     "split_placement",
     "split_factor",
     "shard_dim",
@@ -58,15 +60,34 @@ def placements_of(t: torch.Tensor) -> tuple:
 
 
 @functools.lru_cache(maxsize=4096)
-def _spec(mesh_id: int, mesh, placements: tuple, shape: tuple, stride: tuple, dtype: torch.dtype):
+def _spec(
+    mesh_id: int,
+    mesh,
+    placements: tuple,
+    shape: tuple,
+    stride: tuple,
+    dtype: torch.dtype,
+    blocks: bool = False,
+):
     # Keyed by the mesh's identity too: two meshes compare equal by their layout, but a spec must
     # hold the very mesh (and process group) it is used with, not an equal one destroyed since.
     # Private: DTensorSpec and TensorMeta. The public replacement is DTensor.from_local, which
     # runs an autograd function (about 0.3 ms a call on a CPU; a step makes one per tensor).
+    # ``blocks``: a strided placement means k blocks each split on its own (split_placement),
+    # not a sharding order over mesh dimensions, DTensor's default reading (see redistribute).
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
     meta = TensorMeta(torch.Size(shape), stride, dtype)
+    if blocks:
+        return DTensorSpec(
+            mesh, placements, tensor_meta=meta, use_strided_shard_as_shard_order=False
+        )
     return DTensorSpec(mesh, placements, tensor_meta=meta)
+
+
+def _strided(placements: Sequence) -> bool:
+    """Whether some placement of ``placements`` is :func:`split_placement`'s strided one."""
+    return any(split_factor(p) > 1 for p in placements)
 
 
 def split_placement(dim: int, chunks: int = 1):
@@ -124,6 +145,47 @@ def like(local_t: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     if not is_dtensor(ref):
         return local_t
     return from_local(local_t, ref.device_mesh, ref.placements, ref.shape, ref.stride())
+
+
+def redistribute(t: torch.Tensor, mesh, placements: Sequence) -> torch.Tensor:
+    """``t.redistribute(mesh, placements)`` for tensors that need no gradient, also where either
+    side holds :func:`split_placement`'s strided placement.
+
+    DTensor reads a strided placement as a sharding order over mesh dimensions unless its spec
+    says otherwise: torch 2.11 then refuses to move one whose factor is no product of mesh sizes
+    (a fused q/k/v split in 3 blocks over 2 processes), where 2.13 falls back to reading blocks.
+    So such a move runs DTensor's private ``redistribute_local_tensor`` between two specs built
+    for it that say blocks (the same collectives, on both). Only for the move: the DTensors
+    handed out keep DTensor's default spec, since 2.13's ops treat a tensor of the other
+    reading beside one of the default as laid out differently (and move one of them wrongly)."""
+    placements = tuple(placements)
+    if mesh == t.device_mesh and tuple(t.placements) == placements:
+        return t
+    if not (_strided(t.placements) or _strided(placements)):
+        return t.redistribute(mesh, placements)
+    from torch.distributed.tensor._redistribute import redistribute_local_tensor
+
+    shape, stride = tuple(t.shape), tuple(t.stride())
+    src = _spec(id(t.device_mesh), t.device_mesh, tuple(t.placements), shape, stride, t.dtype, True)
+    dst = _spec(id(mesh), mesh, placements, shape, stride, t.dtype, True)
+    with torch.no_grad():
+        moved = redistribute_local_tensor(local(t), src, dst)
+    return from_local(moved, mesh, placements, shape, stride)
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole value of a DTensor as a plain, contiguous tensor on every process
+    (``full_tensor`` for tensors that need no gradient, strided placements included:
+    :func:`redistribute`); a plain tensor as it is.
+
+    Contiguous as one process would hold it: torch 2.11 gathers a tensor split unevenly along a
+    dimension other than 0 into a padded buffer and returns a view of it (strides of the padded
+    shape), and a reduction over such a view adds in another order (a sum 1 ulp off the same
+    sum over the plain tensor). The copy costs nothing where the gather is already contiguous."""
+    if not is_dtensor(t):
+        return t
+    mesh = t.device_mesh
+    return local(redistribute(t, mesh, (dtensor().Replicate(),) * mesh.ndim)).contiguous()
 
 
 def _to_local(x: Any) -> Any:
@@ -214,7 +276,7 @@ def _aligned(args: Sequence[Any], refs: list) -> list:
     for a in args:
         if _is_tensor_list(a):
             a = [
-                t.redistribute(r.device_mesh, r.placements)
+                redistribute(t, r.device_mesh, r.placements)
                 if r is not None and t.dim() > 0 and _replicated(t) and not _replicated(r)
                 else t
                 for t, r in zip(a, refs)
@@ -253,7 +315,7 @@ def laid_out_like(new: TensorDictBase, old: TensorDictBase) -> TensorDictBase:
     is a reduce-scatter."""
     news, olds = tree.leaves(new), tree.leaves(old)
     moved = [
-        n.redistribute(o.device_mesh, o.placements)
+        redistribute(n, o.device_mesh, o.placements)
         if is_dtensor(n) and is_dtensor(o) and n.placements != o.placements
         else n
         for n, o in zip(news, olds)
@@ -278,13 +340,25 @@ def on_shards(inner: GradientTransformation) -> GradientTransformation:
                     new_u, new_s = inner.update(updates, state, params)
                 return laid_out_like(new_u, updates), laid_out_like(new_s, state)
         except (RuntimeError, NotImplementedError) as e:
-            if "DTensor" not in str(e) and "harding" not in str(e):
-                raise
+            if "DTensor" not in str(e) and "harding" not in str(e) or "ft.shard:" in str(e):
+                raise  # not DTensor's, or already said (on_shards within on_shards)
             raise type(e)(
                 "ft.shard: the optimizer cannot run on sharded state: DTensor refused one of its "
                 f"operations ({str(e).strip().splitlines()[0]}). Use strategy 'ddp' with this "
                 "optimizer, or write the operation out of place (e.g. x.square() rather than "
                 "x.square_() on a reduced tensor) so that DTensor can finish the reduction first."
+            ) from e
+        except ValueError as e:
+            if "shard_order" not in str(e):
+                raise
+            # torch 2.11: a move DTensor plans itself, from or to a tensor split in blocks
+            raise NotImplementedError(
+                f"ft.shard: torch {torch.__version__}'s DTensor cannot move a tensor split in "
+                "blocks (tensor parallelism's fused q/k/v projection, split over 'tp') between "
+                "the layouts one of the optimizer's reductions needs (e.g. adafactor's row and "
+                "column statistics under fsdp over 'dp'); torch 2.13 can. On this torch, pair "
+                "tensor parallelism with an optimizer whose update is elementwise per tensor "
+                f"(adamw, sgd, lion). DTensor said: {str(e).strip().splitlines()[0]}"
             ) from e
 
     return GradientTransformation(inner.init, update)

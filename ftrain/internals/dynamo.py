@@ -9,11 +9,13 @@ public count of compiled frames and graph breaks; these wrap ``torch._dynamo.con
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
 __all__ = [
     "tracing_autograd",
+    "traces_whole_steps",
     "error_on_recompile",
     "unlimited_recompiles",
     "frames_compiled",
@@ -34,6 +36,31 @@ def tracing_autograd() -> contextlib.AbstractContextManager:
     if not hasattr(config, "trace_autograd_ops"):
         return contextlib.nullcontext()
     return config.patch(trace_autograd_ops=True)
+
+
+@functools.cache  # a fact of the installed torch: probed once per process
+def traces_whole_steps() -> bool:
+    """Whether dynamo captures a step's gradient as one graph: leaf copies made inside the traced
+    function (``p.detach().requires_grad_()``) differentiated by ``torch.autograd.grad``.
+
+    torch 2.13 traces both (with :func:`tracing_autograd`); torch 2.11 has the setting but breaks
+    the graph at ``requires_grad_``, so a compiled step runs as several graphs (same results, no
+    fusion across forward, backward and update). Found by compiling a three-line function with a
+    backend that only counts graphs (no code generation; about a second, the first time dynamo
+    runs in a process), not by the version number."""
+    graphs = []
+
+    def count(gm: torch.fx.GraphModule, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def grad_of_square(x: torch.Tensor) -> torch.Tensor:
+        p = x.detach().requires_grad_(True)
+        return torch.autograd.grad((p * p).sum(), p)[0]
+
+    with tracing_autograd():
+        torch.compile(grad_of_square, backend=count)(torch.ones(2))
+    return len(graphs) == 1
 
 
 def error_on_recompile() -> contextlib.AbstractContextManager:

@@ -8,6 +8,7 @@ in another engine with its ``engine`` hook (e.g. one built on ``torch.func`` for
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
@@ -127,6 +128,18 @@ def exclusive(grads: Sequence[torch.Tensor | None]) -> bool:
     return True
 
 
+def _kernels(grads: Sequence[torch.Tensor | None]) -> contextlib.AbstractContextManager:
+    """Where the gradients are laid out across processes (DTensors), the multi-tensor kernels
+    run per tensor (``foreach.looped``): torch 2.11's DTensor has no rule that keeps a
+    ``Partial`` operand (fsdp's local gradients, left unreduced for reweighting) through a
+    ``torch._foreach_*`` op; it all-reduces each one to ``Replicate`` (a hidden collective per
+    tensor), which the step's reduction then sums a second time. Its per-tensor ``mul`` and
+    ``add`` keep ``Partial``, as 2.13's multi-tensor ones do."""
+    if any(hasattr(g, "placements") for g in grads):
+        return foreach.looped()
+    return contextlib.nullcontext()
+
+
 class AutogradEngine:
     """``torch.autograd.grad`` of each micro-batch's loss over leaf copies of the params, summed.
 
@@ -169,7 +182,8 @@ class AutogradEngine:
                 factor = 1.0 / n if scale is None else scale / n
                 g = torch.autograd.grad(loss.total * factor, leaves, allow_unused=True)
                 # weight by the count, out of place: the gradient of the sum, in fresh buffers
-                weighted = iter(foreach.mul([x for x in g if x is not None], n))
+                with _kernels(g):
+                    weighted = iter(foreach.mul([x for x in g if x is not None], n))
                 g = [None if x is None else next(weighted) for x in g]
                 fresh = True
             else:
@@ -182,12 +196,14 @@ class AutogradEngine:
                 owned = fresh
             elif not owned:  # the first micro-batch's are autograd's: add out of place, once
                 pairs = [(a, b) for a, b in zip(grads, g) if b is not None]
-                summed = iter(foreach.add([a for a, _ in pairs], [b for _, b in pairs]))
+                with _kernels(g):
+                    summed = iter(foreach.add([a for a, _ in pairs], [b for _, b in pairs]))
                 grads = [a.clone() if b is None else next(summed) for a, b in zip(grads, g)]
                 owned = True
             else:
                 present = [(a, b) for a, b in zip(grads, g) if b is not None]
-                foreach.add_([a for a, _ in present], [b for _, b in present])
+                with _kernels(g):
+                    foreach.add_([a for a, _ in present], [b for _, b in present])
             t, c = loss.total.detach().float(), loss.count.detach()
             total, count = (t, c) if total is None else (total + t, count + c)
             add_aux(aux, loss.aux, len(pieces))

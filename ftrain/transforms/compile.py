@@ -128,7 +128,10 @@ def compile(step: Step, **torch_compile_kwargs) -> Step:  # noqa: A001 - mirrors
     The gradient is ``torch.autograd.grad`` inside the step; dynamo traces it (its
     ``trace_autograd_ops`` setting, switched on for the compiled calls only), so forward, backward
     and update are one graph that inductor fuses across: the optimizer's pointwise math lands in
-    the kernels that produce the gradients. Dynamo captures ``ft.checkpoint``'s blocks in that
+    the kernels that produce the gradients. (torch 2.11's dynamo breaks the graph at the
+    ``requires_grad_`` that makes the leaf copies: there the step compiles as several graphs,
+    with the same results and no fusion across them; ``ftrain.internals.dynamo.traces_whole_steps``
+    says which.) Dynamo captures ``ft.checkpoint``'s blocks in that
     graph too, as checkpointed regions. torch 2.13's compiler recomputes such regions inside a
     graph that holds the backward only when they draw no random numbers (no dropout, and no
     ``scaled_dot_product_attention``, whose kernels are tagged as random even at dropout 0);

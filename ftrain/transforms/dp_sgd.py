@@ -29,7 +29,7 @@ import torch
 from tensordict import TensorDict
 
 from ftrain import rng, tree
-from ftrain.distributed.dtensor import dtensor, is_dtensor
+from ftrain.distributed.dtensor import dtensor, from_local, is_dtensor, redistribute
 from ftrain.per_example import example_grads
 from ftrain.state import TrainState
 from ftrain.step import Gradients, Grads, Step, Transform
@@ -132,8 +132,8 @@ def _noise(key: torch.Tensor, like: torch.Tensor, std: torch.Tensor) -> torch.Te
     mesh = like.device_mesh
     z = rng.normal(key, like.shape, dtype=like.dtype, device=like.to_local().device)
     z = z * std.to(z.device, z.dtype)
-    whole = d.DTensor.from_local(z, mesh, [d.Replicate()] * mesh.ndim, run_check=False)
-    return whole.redistribute(mesh, like.placements)
+    whole = from_local(z, mesh, (d.Replicate(),) * mesh.ndim, z.shape, z.stride())
+    return redistribute(whole, mesh, like.placements)
 
 
 def dp_sgd(step: Step, l2_norm_clip: float, noise_multiplier: float) -> Step:

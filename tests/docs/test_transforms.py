@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import ftrain as ft
+from ftrain.internals import dynamo
 from ftrain.models import GPT, GPTConfig
 from ftrain.testing import assert_no_recompile, assert_one_graph, max_rel_error, run_distributed
 
@@ -19,7 +20,15 @@ def _run_doc(upto: str | None = None) -> dict:
     """Run the doc's Python blocks in order in one namespace; stop once ``upto`` is defined."""
     namespace: dict = {}
     for block in re.findall(r"```python\n(.*?)```", DOC.read_text(), re.S):
-        exec(compile(block, str(DOC), "exec"), namespace)
+        try:
+            exec(compile(block, str(DOC), "exec"), namespace)
+        except RuntimeError as e:
+            # the one-graph check, the last statement of its block (nothing skipped), on a torch whose dynamo cannot
+            # trace a whole step (2.11): the refusal the guide documents
+            if dynamo.traces_whole_steps() or "cannot capture a step as one graph" not in str(e):
+                raise
+            after = block.rsplit("assert_one_graph(", 1)[-1].splitlines()[1:]
+            assert all(not line.strip() or line.lstrip().startswith("#") for line in after)
         if upto in namespace:
             break
     return namespace
@@ -207,12 +216,19 @@ def test_the_three_compose_with_fp16_autocast(doc):
     assert torch.isfinite(_flat(s.params)).all()
 
 
-def test_the_three_compile_as_one_graph_without_recompiles(doc):
+@pytest.mark.usefixtures("whole_step_graphs")
+def test_the_three_compile_as_one_graph(doc):
+    model, loss_fn = _setup()
+    opt = _sgd()
+    state = ft.TrainState.create(ft.params_of(model), opt)
+    assert_one_graph(_all_three(doc, ft.train_step(loss_fn, opt)), state, _batch(4))
+
+
+def test_the_three_compile_without_recompiles(doc):
     model, loss_fn = _setup()
     opt = _sgd()
     state = ft.TrainState.create(ft.params_of(model), opt)
     step = _all_three(doc, ft.train_step(loss_fn, opt))
-    assert_one_graph(step, state, _batch(4))
     torch._dynamo.reset()
     batches = [_batch(4, seed=i) for i in range(3)]
     compiled, _ = assert_no_recompile(ft.compile(step, backend="eager"), state, batches)

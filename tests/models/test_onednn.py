@@ -193,13 +193,22 @@ def test_selective_checkpoint_saves_the_onednn_matmuls():
 
 @needs_onednn
 @pytest.mark.slow
-def test_compiled_step_calls_the_onednn_op():
-    """Under torch.compile the oneDNN matmuls are the ftrain::onednn_linear custom op (inductor's
-    lowering of the oneDNN kernel takes only frozen weights); the compiled step equals eager."""
+def test_the_compiled_step_with_onednn_equals_eager():
+    """Compiled (AOT autograd), the step whose matmuls are the ftrain::onednn_linear custom op
+    equals the eager one."""
     torch._dynamo.reset()
     step, state, batch = gpt_step()
     compiled = ft.compile(step, backend="aot_eager")
     assert_steps_close(compiled, step, state, batch, steps=2, rtol=1e-5, atol=1e-7)
+
+
+@needs_onednn
+@pytest.mark.usefixtures("whole_step_graphs")
+def test_the_onednn_op_breaks_no_graph():
+    """Under torch.compile the oneDNN matmuls are the ftrain::onednn_linear custom op (inductor's
+    lowering of the oneDNN kernel takes only frozen weights), inside the step's one graph."""
+    torch._dynamo.reset()
+    step, state, batch = gpt_step()
     graph = ft.testing.assert_one_graph(step, state, batch)  # a custom op breaks no graph
     op = torch.ops.ftrain.onednn_linear.default
     assert op in MATMUL_OPS

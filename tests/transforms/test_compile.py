@@ -2,10 +2,13 @@
 included), or under ft.accumulate one micro-batch graph looped and an update graph whatever the
 number of micro-batches; the same result as eager with no recompiles, and its ordering rules."""
 
+import contextlib
+
 import pytest
 import torch
 
 import ftrain as ft
+from ftrain.internals import dynamo
 from ftrain.testing import assert_no_recompile, assert_one_graph, max_rel_error
 
 from _tiny import UNEVEN, chain_step, gpt_step, lm_batch, lm_loss, tiny_gpt
@@ -31,7 +34,9 @@ def test_compile_matches_eager_without_recompiles():
     # Calls 2..5 walk the schedule through warmup into the cosine: new lr values, same graphs.
     # The blocks hold scaled_dot_product_attention, which torch's compiler will not recompute
     # inside the one forward-backward graph: the backward is compiled apart, and it says so.
-    with pytest.warns(UserWarning, match="compiling the backward apart"):
+    # (Only where dynamo traces the whole step: torch 2.11 breaks the graph before the backward.)
+    warns = pytest.warns(UserWarning, match="compiling the backward apart")
+    with warns if dynamo.traces_whole_steps() else contextlib.nullcontext():
         final, history = assert_no_recompile(compiled, state, batches)
     lrs = [float(m["lr"]) for m in history]
     assert all(a != b for a, b in zip(lrs, lrs[1:])), lrs
@@ -54,6 +59,7 @@ def test_compile_matches_eager_without_recompiles():
     ],
     ids=["plain", "bf16", "fp16", "ema+bf16"],
 )
+@pytest.mark.usefixtures("whole_step_graphs")
 def test_compile_captures_the_whole_step_as_one_graph(transform):
     """Forward, torch.autograd.grad, the count division, clipping norm and the optimizer update
     in one dynamo graph: nothing between the phases runs eagerly. (ema's average is an eager
@@ -87,6 +93,7 @@ def _targets(graph: torch.fx.GraphModule) -> set:
     return {n.target for n in graph.graph.nodes if n.op == "call_function"}
 
 
+@pytest.mark.usefixtures("whole_step_graphs")
 def test_accumulate_compiles_one_micro_batch_whatever_their_number():
     """Under ft.accumulate, ft.compile traces one micro-batch's forward and backward (a graph
     with torch.autograd.grad) and the update (a graph with the optimizer's p + u), once each:
@@ -111,6 +118,7 @@ def test_accumulate_compiles_one_micro_batch_whatever_their_number():
     assert nodes[2] == [nodes[4][0], nodes[4][-1]], nodes  # the same micro-batch and update
 
 
+@pytest.mark.usefixtures("whole_step_graphs")
 def test_the_looped_micro_batches_compose_with_fp16_checkpoint_and_ema():
     """fp16 loss scaling (the scale read in each micro-batch, the skip decided in the update),
     checkpointed blocks and ema run with the two looped graphs and equal the eager step, metrics
@@ -141,6 +149,7 @@ def test_the_looped_micro_batches_compose_with_fp16_checkpoint_and_ema():
 
 
 @pytest.mark.parametrize("policy", ["blocks", "selective"])
+@pytest.mark.usefixtures("whole_step_graphs")
 def test_a_checkpointed_step_is_one_graph_with_a_checkpointed_region_per_block(policy):
     """ft.compile(ft.checkpoint(step)) is one graph: each block a checkpointed region (the
     higher-order op AOT autograd recomputes in backward), the backward and update inside."""

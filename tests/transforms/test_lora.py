@@ -167,6 +167,16 @@ def test_under_vmap_equals_each_member_run_alone():
                            alone[1].params["blocks", "0", "attn", "qkv", "lora_B"])  # fmt: skip
 
 
+@pytest.mark.usefixtures("whole_step_graphs")
+def test_the_merge_compiles_with_the_step_as_one_graph():
+    model = tiny_gpt(dropout=0.0)
+    opt = ft.optim.adamw(1e-2)
+    lora = ft.lora(model, rank=2, alpha=4, targets=["qkv", "fc"])
+    state = nonzero_b(lora.init_state(ft.params_of(model), opt, seed=0))
+    plain = lora(ft.train_step(lm_loss(model), opt))
+    assert_one_graph(plain, state, lm_batch(6, lengths=(16, 3, 1, 9, 16, 5)))  # no graph break
+
+
 def test_composes_with_accumulate_checkpoint_autocast_and_compile():
     model = tiny_gpt(dropout=0.0)
     opt = ft.optim.adamw(1e-2)
@@ -186,7 +196,6 @@ def test_composes_with_accumulate_checkpoint_autocast_and_compile():
     start = state.replace(opt_state=sgd.init(state.params))
     assert_steps_close(bf16, fp32, start, batch, steps=1, rtol=2e-2)
     assert_steps_close(ft.compile(plain), plain, state, batch, steps=2, rtol=1e-5)
-    assert_one_graph(plain, state, batch)  # the merge compiles with the step, no graph break
     # activation checkpointing still saves less for backward (the merged weights are saved alike)
     blocks = lora(ft.checkpoint(ft.train_step(lm_loss(model), opt)))
     assert saved_activation_bytes(blocks, state, batch) < saved_activation_bytes(

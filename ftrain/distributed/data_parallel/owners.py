@@ -19,7 +19,14 @@ import torch
 import torch.distributed as dist
 
 from ftrain.distributed.collectives import by_dtype, layout
-from ftrain.distributed.dtensor import dtensor, from_local, is_dtensor, local
+from ftrain.distributed.dtensor import (
+    dtensor,
+    from_local,
+    full_tensor,
+    is_dtensor,
+    local,
+    redistribute,
+)
 
 __all__ = ["owners", "Exchange", "exchange", "all_to_all_into", "on_owners"]
 
@@ -164,9 +171,7 @@ def on_owners(
     rows = [i for i in rows if tensors[i].device_mesh == mesh]
     sharded = set(rows)
     here = [i for i in range(len(tensors)) if i not in sharded]  # computed on every rank
-    wholes = [
-        cast(tensors[i].full_tensor() if is_dtensor(tensors[i]) else tensors[i]) for i in here
-    ]
+    wholes = [cast(full_tensor(tensors[i])) for i in here]
     trips = []  # per dtype: (positions in tensors, exchange, pieces, owned wholes)
     if rows:
         rank, group = mesh.get_local_rank(), mesh.get_group()
@@ -196,8 +201,8 @@ def on_owners(
         t = tensors[i]
         if is_dtensor(t):  # Replicate to any placement is a local split
             mesh_t = t.device_mesh
-            whole = d.DTensor.from_local(o, mesh_t, [d.Replicate()] * mesh_t.ndim, run_check=False)
-            o = whole.redistribute(t.device_mesh, t.placements)
+            everywhere = from_local(o, mesh_t, (d.Replicate(),) * mesh_t.ndim, o.shape, o.stride())
+            o = redistribute(everywhere, t.device_mesh, t.placements)
         out[i] = o
     start = len(here)
     for positions, ex, chosen, owned in trips:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ftrain import tree
 from ftrain.distributed.data_parallel.zero import check_replicated
-from ftrain.distributed.dtensor import dtensor, from_local, is_dtensor, split_placement
+from ftrain.distributed.dtensor import dtensor, from_local, full_tensor, split_placement
 from ftrain.distributed.launch import require_group
 from ftrain.distributed.tensor_parallel.plans import Split, local_piece
 from ftrain.optim.quantized import CODE_LEAVES
@@ -85,8 +85,7 @@ def placements(split: Split, mesh: Any) -> tuple:
 def lay_out(t: torch.Tensor, split: Split, mesh: Any) -> torch.Tensor:
     """The DTensor of the whole plain ``t`` (the same on every process) split as ``split``: this
     process's piece, copied (no traffic). A DTensor is gathered whole first."""
-    if is_dtensor(t):
-        t = t.full_tensor()
+    t = full_tensor(t)
     tp = mesh["tp"]
     piece = local_piece(t, split, tp.get_local_rank(), tp.size()).clone()
     return from_local(piece, mesh, placements(split, mesh), t.shape, t.stride())
@@ -160,4 +159,4 @@ def _whole(td):
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if is_dtensor(t) else t
+    return full_tensor(t)

@@ -92,7 +92,10 @@ def _four_ranks(path):
     out["fsdp bf16"] = _train("fsdp", "bf16")
     out["fp16"] = {s: _train(s, "fp16") for s in ("ddp", "fsdp")}
     out["muon"] = {s: _train(s, "muon") for s in ("ddp", "fsdp")}
-    out["adafactor"] = _train("fsdp", "adafactor")
+    try:
+        out["adafactor"] = _train("fsdp", "adafactor")
+    except NotImplementedError as e:  # torch 2.11's DTensor: said by ft.shard, checked below
+        out["adafactor"] = str(e)
     laid = {s: _train(s, layout_only=True) for s in ("ddp", "fsdp")}
     out["bytes"] = {s: local_bytes(state) for s, state in laid.items()}
     out["loaded"] = ft.unshard_state(ft.load(path, like=laid["fsdp"]))  # onto fsdp x tp
@@ -197,4 +200,7 @@ def test_shard_and_shard_state_over_another_mesh_than_dp_are_refused(four):
 
 def test_adafactor_under_fsdp_over_dp_equals_one_process(four):
     _, ranks = four
+    if isinstance(ranks[0]["adafactor"], str):  # the refusal a torch without the move gives
+        assert "cannot move a tensor split in blocks" in ranks[0]["adafactor"]
+        pytest.skip(ranks[0]["adafactor"].split(" On this torch")[0])
     assert max_tree_diff(ranks[0]["adafactor"].params, _one_process("adafactor").params) <= 1e-5
