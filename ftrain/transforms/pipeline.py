@@ -48,6 +48,7 @@ from ftrain.distributed.pipeline.cut import (
     family_of,
     stage_ranks,
 )
+from ftrain.distributed.pipeline.layout import gather_stages, keep_stages
 from ftrain.distributed.pipeline.runner import (
     SCHEDULES,
     SINGLE_STAGE,
@@ -119,7 +120,10 @@ class Pipeline(Transform):
             )
         mine, keys = set(self.runner.keys), {k: i for i, k in enumerate(names)}
         return state.replace(
-            **{f: _keep(getattr(state, f), mine, keys) for f in ("params", "opt_state", "extra")}
+            **{
+                f: keep_stages(getattr(state, f), mine, keys)
+                for f in ("params", "opt_state", "extra")
+            }
         )
 
     def unshard_state(self, state: TrainState) -> TrainState:
@@ -129,7 +133,10 @@ class Pipeline(Transform):
         group = self.mesh["pp"].get_group()
         keys = {k: i for i, (k, _) in enumerate(self.model.named_parameters())}
         return state.replace(
-            **{f: _gather(getattr(state, f), keys, group) for f in ("params", "opt_state", "extra")}
+            **{
+                f: gather_stages(getattr(state, f), keys, group)
+                for f in ("params", "opt_state", "extra")
+            }
         )
 
     # -- hooks ----------------------------------------------------------------------------------
@@ -218,103 +225,6 @@ class PipelineEngine:
 
     def __repr__(self) -> str:
         return "PipelineEngine()"
-
-
-def _entries(td, prefix: str = "") -> list[tuple[str, torch.Tensor | None]]:
-    """``(dotted path, tensor)`` of every leaf of ``td`` in order, and ``(path, None)`` for each
-    empty TensorDict in it (a stateless optimizer's state): what rebuilds the same tree."""
-    out: list[tuple[str, torch.Tensor | None]] = []
-    for k in td.keys():
-        v, path = td.get(k), f"{prefix}{k}"
-        if isinstance(v, torch.Tensor):
-            out.append((path, v))
-        elif len(v.keys()) == 0:
-            out.append((path, None))
-        else:
-            out.extend(_entries(v, path + "."))
-    return out
-
-
-def _build(entries: Sequence[tuple[str, torch.Tensor | None]]):
-    """The TensorDict of ``entries`` (see :func:`_entries`), nested in their order."""
-    from tensordict import TensorDict
-
-    root: dict = {}
-    for path, t in entries:
-        *parents, leaf = path.split(".")
-        node = root
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = {} if t is None else t
-
-    def make(node: dict):
-        td = TensorDict({}, batch_size=[])
-        for k, v in node.items():
-            td.set(k, make(v) if isinstance(v, dict) else v)
-        return td
-
-    return make(root)
-
-
-def _param_of(path: str, keys: Mapping[str, int]) -> str | None:
-    """The params key ``path`` ends with (the longest), or None."""
-    parts = path.split(".")
-    for i in range(len(parts)):
-        key = ".".join(parts[i:])
-        if key in keys:
-            return key
-    return None
-
-
-def _keep(td, mine: set[str], keys: Mapping[str, int]):
-    """``td`` without the leaves that belong to another rank's params (a leaf whose path ends
-    with a params key: a moment, a factored statistic); its other leaves and empty parts kept."""
-    entries = _entries(td)
-    kept = [(p, t) for p, t in entries if t is None or _param_of(p, keys) in (None, *mine)]
-    return td if len(kept) == len(entries) else _build(kept)
-
-
-def _gather(td, keys: Mapping[str, int], group):
-    """Every rank's leaves of ``td`` on every rank, each broadcast from the first rank holding
-    it (see :meth:`Pipeline.unshard_state`), in the order a whole state has them: the entries
-    of each params key in the model's key order, after the entries before them."""
-    entries = _entries(td)
-    local = [(p, None if t is None else (str(t.dtype), tuple(t.shape))) for p, t in entries]
-    everyone: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, local, group=group)  # paths, dtypes and shapes only
-    holder, spec, prefixes = {}, {}, {}
-
-    def prefix(p: str) -> str:
-        key = _param_of(p, keys)
-        return p[: len(p) - len(key)] if key else p
-
-    for r, listed in enumerate(everyone):
-        for p, meta in listed:
-            holder.setdefault(p, r)
-            spec[p] = meta
-            prefixes.setdefault(prefix(p), len(prefixes))
-
-    def order(p: str) -> tuple[int, int]:
-        key = _param_of(p, keys)
-        return prefixes[prefix(p)], keys[key] if key else -1
-
-    mine = dict(entries)
-    me = dist.get_rank(group)
-    device = next((t.device for t in mine.values() if t is not None), torch.device("cpu"))
-    out = []
-    for p in sorted(spec, key=order):
-        if spec[p] is None:
-            out.append((p, None))
-            continue
-        if holder[p] == me:
-            t = mine[p]
-            sent = t.contiguous()
-        else:
-            dtype, shape = spec[p]
-            t = sent = torch.empty(shape, dtype=getattr(torch, dtype.split(".")[-1]), device=device)
-        dist.broadcast(sent, src=dist.get_global_rank(group, holder[p]), group=group)
-        out.append((p, t))
-    return _build(out)
 
 
 def pipeline(
