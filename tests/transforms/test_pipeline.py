@@ -20,7 +20,7 @@ from tests._tiny import assert_trees_close, lm_batch, max_tree_diff, tiny_gpt
 TOL = 1e-5  # fp32, 3 AdamW steps: the issue's bound; measured at most 5e-6
 
 
-def _check(got: list[dict], config: str, **kw) -> None:
+def assert_equal_to_one_process(got: list[dict], config: str, **kw) -> None:
     want, metrics = reference(config, **kw)
     for r, out in enumerate(got):  # every rank: the whole state and the global metrics
         assert_trees_close(out["state"], want, TOL)
@@ -34,12 +34,12 @@ def _check(got: list[dict], config: str, **kw) -> None:
 def test_every_schedule_equals_one_process(pipeline_two_ranks, schedule):
     if schedule not in SCHEDULES:
         pytest.skip(f"torch {torch.__version__}: {refusal(schedule, 'gloo')}")
-    _check([r[f"schedule {schedule}"] for r in pipeline_two_ranks], "plain")
+    assert_equal_to_one_process([r[f"schedule {schedule}"] for r in pipeline_two_ranks], "plain")
 
 
 @pytest.mark.parametrize("config", [c for c in CONFIGS if c not in ("plain", "sgd", *FP16)])
 def test_compositions_equal_one_process(pipeline_two_ranks, config):
-    _check([r[config] for r in pipeline_two_ranks], config)
+    assert_equal_to_one_process([r[config] for r in pipeline_two_ranks], config)
 
 
 @pytest.mark.parametrize("config", FP16)
@@ -89,22 +89,24 @@ def test_errors_at_the_first_call_name_the_fix(pipeline_two_ranks):
 
 @pytest.mark.parametrize("schedule", FOUR)
 def test_four_stages_equal_one_process(pipeline_four_ranks, schedule):
-    _check([r[f"pp4 {schedule}"] for r in pipeline_four_ranks], "plain", n_layer=8)
+    assert_equal_to_one_process(
+        [r[f"pp4 {schedule}"] for r in pipeline_four_ranks], "plain", n_layer=8
+    )
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2"])
 def test_data_parallel_times_pipeline_equals_one_process(pipeline_four_ranks, strategy):
-    _check([r[f"dp2 pp2 {strategy}"] for r in pipeline_four_ranks], "plain")
+    assert_equal_to_one_process([r[f"dp2 pp2 {strategy}"] for r in pipeline_four_ranks], "plain")
 
 
 def test_tensor_parallel_stages_equal_one_process(pipeline_four_ranks):
     """pp 2 x tp 2: each stage's matrices split over its tp pair (interleaved 1F1B)."""
-    _check([r["pp2 tp2"] for r in pipeline_four_ranks], "plain")
+    assert_equal_to_one_process([r["pp2 tp2"] for r in pipeline_four_ranks], "plain")
 
 
 def test_the_3d_mesh_equals_one_process(pipeline_eight_ranks):
     """dp 2 x pp 2 x tp 2 on 8 processes, zero1 over dp."""
-    _check([r["dp2 pp2 tp2"] for r in pipeline_eight_ranks], "plain")
+    assert_equal_to_one_process([r["dp2 pp2 tp2"] for r in pipeline_eight_ranks], "plain")
 
 
 # -- one process: the cut ------------------------------------------------------------------------
