@@ -44,6 +44,11 @@ class LoaderIterator(Iterator[Batch]):
 
     def __init__(self, loader: Loader):
         self._loader, self._closed = loader, False
+        # This pass is the newest from here on, before the old one is dropped: the old one's
+        # finalizer (below) may run at any moment after, on any thread (a garbage collection in
+        # a worker thread), and must then find a newer pass and leave its threads alone.
+        loader._iterators += 1
+        number = loader._iterators
         if loader._active is not None:  # an earlier pass still open: its read-ahead threads may
             stop_threads(loader._thread_nodes)  # be inside the source; stop them before it moves
         loader._active = self
@@ -55,8 +60,7 @@ class LoaderIterator(Iterator[Batch]):
         # ("terminate called without an active exception"): an iterator still open then stops
         # them first (weakref.finalize runs at exit for objects still alive, and when one is
         # collected: then only if no newer iterator took over the threads).
-        loader._iterators += 1
-        self._at_exit = weakref.finalize(self, _stop_if_newest, loader, loader._iterators)
+        self._at_exit = weakref.finalize(self, _stop_if_newest, loader, number)
 
     def __next__(self) -> Batch:
         ld = self._loader

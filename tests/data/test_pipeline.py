@@ -283,3 +283,33 @@ def test_processes_share_one_global_order_and_position(infinite):
         data.loader(ds, 2, rank=2, world_size=2)
     with pytest.raises(ValueError, match="pass drop_last=True or infinite=True"):
         data.loader(ds, 2, rank=0, world_size=2, drop_last=False)
+
+
+def test_an_old_pass_collected_late_leaves_the_new_passs_threads_alone():
+    """The previous pass, kept alive by a reference cycle, is collected (its finalizer runs)
+    while the next pass is being started, after its threads started: it must not stop them.
+    A garbage collection can run at any allocation, on any thread; with the old pass still
+    counted newest at that moment, the new pass delivered 0 or 1 batches of an epoch."""
+    import gc
+
+    ds = Varied(np.random.RandomState(0).randint(1, 30, size=40))
+    par = data.loader(ds, 4, seed=5, num_workers=2, prefetch=2, drop_last=False)
+    want = len(list(data.loader(ds, 4, seed=5, num_workers=0, prefetch=0, drop_last=False)))
+    old = iter(par)
+    next(old)
+    old.cycle = old  # collected only by the cycle collector, not when the new pass drops it
+    del old
+    reset = par._root.reset
+
+    def reset_then_collect(*args, **kwargs):
+        reset(*args, **kwargs)  # the new pass's threads run from here
+        gc.collect()  # the old pass's finalizer runs now
+
+    par._root.reset = reset_then_collect
+    gc.disable()  # no collection before the one above
+    try:
+        got = list(par)
+    finally:
+        gc.enable()
+        par._root.reset = reset
+    assert len(got) == want - 1  # the rest of the epoch: the old pass took one batch
