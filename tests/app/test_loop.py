@@ -300,7 +300,7 @@ def test_lora_with_fsdp_equals_one_process_and_resumes_on_one(tmp_path, tiny_run
     continues the same run."""
     common = [*tiny_run, "--lora-rank", "2", "--lr", "1e-2", "--batch-size", "2",
               "--global-batch-size", "4", "--decay-steps", "6", "--save-every", "3"]  # fmt: skip
-    _two_processes_equal_one_and_resume_on_one(
+    assert_two_processes_equal_one_and_resume_on_one(
         tmp_path, common, full=["--shard", "fsdp"], part=["--shard", "fsdp"]
     )
 
@@ -310,7 +310,7 @@ def test_tp_run_equals_one_process_and_resumes_on_one(tmp_path, tiny_run):
     logs the 1-process run's losses (to 1e-5), evaluating and saving on the way; its step-3
     checkpoint (a run with --sequence-parallel), resumed on 1 process, continues the same run."""
     common = [*tiny_run, "--decay-steps", "6", "--save-every", "3", "--eval-every", "3"]
-    _two_processes_equal_one_and_resume_on_one(
+    assert_two_processes_equal_one_and_resume_on_one(
         tmp_path, common, full=["--tp", "2"], part=["--tp", "2", "--sequence-parallel"]
     )
 
@@ -320,12 +320,12 @@ def test_pp_run_equals_one_process_and_resumes_on_one(tmp_path, tiny_run):
     the 1-process run's losses (to 1e-5), evaluating and saving whole checkpoints on the way; its
     step-3 checkpoint (a GPipe run), resumed on 1 process, continues the same run."""
     common = [*tiny_run, "--decay-steps", "6", "--save-every", "3", "--eval-every", "3"]
-    _two_processes_equal_one_and_resume_on_one(
+    assert_two_processes_equal_one_and_resume_on_one(
         tmp_path, common, full=["--pp", "2"], part=["--pp", "2", "--pp-schedule", "gpipe"]
     )
 
 
-def _two_processes_equal_one_and_resume_on_one(tmp_path, common, *, full, part):
+def assert_two_processes_equal_one_and_resume_on_one(tmp_path, common, *, full, part):
     """Two processes run ``common + full`` for 6 steps and ``common + part`` for 3 (saving at
     step 3); one process runs ``common`` for 6 steps and resumes the 3-step run to 6. Both the
     2-process run and the resumed one log the one-process losses at every step (to 1e-5)."""

@@ -121,10 +121,10 @@ class StageInput:
     """What the engine hands the step's forward in place of a batch: run ``stage`` on ``x``;
     ``ft.pipeline``'s forward hook puts the result in ``output``."""
 
-    __slots__ = ("stage", "x", "params", "output")
+    __slots__ = ("stage", "x", "output")
 
-    def __init__(self, stage: Stage, x: torch.Tensor, params: TensorDict):
-        self.stage, self.x, self.params = stage, x, params
+    def __init__(self, stage: Stage, x: torch.Tensor):
+        self.stage, self.x = stage, x
         self.output: torch.Tensor | None = None
 
 
@@ -159,18 +159,21 @@ class Runner:
         self.model, self.family, self.group = model, family, group
         self.inputs = inputs
         self.microbatches = microbatches
+        # every stage's module (a pruned copy, its parameters on meta): this rank's kept, the
+        # others' read for the keys they hold
         self.stages = []
-        for i in mine:
-            body, names = stage_module(model, family, cuts[i])
-            self.stages.append(Stage(body, names, cuts[i], family))
+        held: dict[str, set[int]] = {}  # key -> the ranks holding it
+        for cut in cuts:
+            body, names = stage_module(model, family, cut)
+            if cut.index in mine:
+                self.stages.append(Stage(body, names, cut, family))
+            for k in names.values():
+                held.setdefault(k, set()).add(owner[cut.index])
+        self.stages.sort(key=lambda s: list(mine).index(s.cut.index))
         self.first = any(s.cut.first for s in self.stages)
         self.last = any(s.cut.last for s in self.stages)
         self.keys = sorted({k for s in self.stages for k in s.names.values()})
         # the keys held on several ranks (a tied embedding): their gradients are summed there
-        held: dict[str, set[int]] = {}
-        for cut in cuts:
-            for k in stage_module_keys(model, family, cut):
-                held.setdefault(k, set()).add(owner[cut.index])
         self.shared = {k: sorted(r) for k, r in held.items() if len(r) > 1}
         self.rank = dist.get_rank(group)
         self.shapes = {k: (p.shape, p.dtype) for k, p in model.named_parameters()}
@@ -284,7 +287,7 @@ class Runner:
     # -- what the schedule calls -------------------------------------------------------------
     def run_stage(self, stage: Stage, x: torch.Tensor) -> torch.Tensor:
         """One stage's forward, through the step's forward hooks (``ft.pipeline``'s runs it)."""
-        call = StageInput(stage, x, stage.bound)
+        call = StageInput(stage, x)
         self.forward(stage.bound, call)
         return call.output
 
@@ -333,10 +336,3 @@ class Runner:
                 v = torch.zeros((), dtype=p.dtype, device=device).expand(p.shape)
             td.set(tuple(name.split(".")), v)
         return td
-
-
-def stage_module_keys(model: nn.Module, family: Family, cut: StageCut) -> set[str]:
-    """The params keys a stage uses (without building its module twice: a pruned copy is cheap,
-    its parameters on meta)."""
-    _, names = stage_module(model, family, cut)
-    return set(names.values())
