@@ -203,7 +203,11 @@ def on_four_ranks() -> dict:
 
 
 def on_eight_ranks() -> dict:
-    """The 3-D mesh: dp 2 x pp 2 x tp 2, zero1 over dp."""
+    """The 3-D mesh: dp 2 x pp 2 x tp 2, zero1 over dp; then fsdp over dp (a few seconds more:
+    the first run pays for the start-up)."""
     torch.set_num_threads(1)
     mesh = ft.distributed.pipeline.pp_mesh(pp=2, tp=2)
-    return {"dp2 pp2 tp2": _run(mesh, "plain", "1f1b", shard="zero1")}
+    return {
+        "dp2 pp2 tp2": _run(mesh, "plain", "1f1b", shard="zero1"),
+        "dp2 pp2 tp2 fsdp": _run(mesh, "plain", "1f1b", shard="fsdp"),
+    }

@@ -120,9 +120,11 @@ def test_tensor_parallel_stages_equal_one_process(pipeline_four_ranks):
     assert_equal_to_one_process([r["pp2 tp2"] for r in pipeline_four_ranks], "plain")
 
 
-def test_the_3d_mesh_equals_one_process(pipeline_eight_ranks):
-    """dp 2 x pp 2 x tp 2 on 8 processes, zero1 over dp."""
-    assert_equal_to_one_process([r["dp2 pp2 tp2"] for r in pipeline_eight_ranks], "plain")
+@pytest.mark.parametrize("run", ["dp2 pp2 tp2", "dp2 pp2 tp2 fsdp"])
+def test_the_3d_mesh_equals_one_process(pipeline_eight_ranks, run):
+    """dp 2 x pp 2 x tp 2 on 8 processes, zero1 over dp; and fsdp over dp (each stage's tp
+    pieces gathered over dp once per step)."""
+    assert_equal_to_one_process([r[run] for r in pipeline_eight_ranks], "plain")
 
 
 # -- one process: the cut ------------------------------------------------------------------------
