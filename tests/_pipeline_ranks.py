@@ -2,7 +2,7 @@
 per process count.
 
 ``conftest.py``'s session fixtures run :func:`on_two_ranks` (pp = 2) and, in the slow tier,
-:func:`on_four_ranks` (pp = 4, and dp 2 x pp 2 under ``ft.shard``) once each; the tests of
+:func:`on_four_ranks` (pp = 4, and dp 2 x pp 2 under ``ft.shard``: ddp, zero1, zero2, fsdp) once each; the tests of
 ``tests/transforms/test_pipeline.py`` compare what they return against one process computed in
 the parent (:func:`reference`). The settings below are the same in the parent and the ranks.
 """
@@ -101,10 +101,10 @@ def reference(config: str = "plain", steps: int = STEPS, n_layer: int = 4, **kw_
 
 
 def _run(mesh, config: str, schedule: str, *, n_layer: int = 4, shard: str | None = None,
-         steps: int = STEPS, save: str | None = None):  # fmt: skip
+         steps: int = STEPS, save: str | None = None, microbatches: int = MICRO):  # fmt: skip
     opt, kw, many, _, donate = CONFIGS[config]
     model = tiny_gpt(n_layer=n_layer, **kw)
-    pp = ft.pipeline(model, mesh, schedule=schedule, microbatches=MICRO)
+    pp = ft.pipeline(model, mesh, schedule=schedule, microbatches=microbatches)
     state = ft.TrainState.create(ft.params_of(model), opt())
     step = ft.train_step(lm_loss(model), opt(), donate=donate)
     if mesh["tp"].size() > 1:  # tensor-parallel stages: the matrices split, then the stages kept
@@ -122,9 +122,15 @@ def _run(mesh, config: str, schedule: str, *, n_layer: int = 4, shard: str | Non
     for b in batches(steps):
         state, m = step(state, {k: v[me * per : (me + 1) * per] for k, v in b.items()})
         out.append(_metrics(m))
+    held = ft.distributed.local_bytes(state)  # at rest: what this process keeps between steps
     if shard is not None or mesh["tp"].size() > 1:
         state = ft.unshard_state(state)  # dp's and tp's pieces whole, then the stages
-    return {"state": pp.unshard_state(state), "metrics": out, "keys": sorted(pp.keys)}
+    return {
+        "state": pp.unshard_state(state),
+        "metrics": out,
+        "keys": sorted(pp.keys),
+        "bytes": held,
+    }
 
 
 def _resumed(mesh, path: str) -> dict:
@@ -186,15 +192,22 @@ def on_four_ranks() -> dict:
     for s in FOUR:
         out[f"pp4 {s}"] = _run(mesh, "plain", s, n_layer=8)
     mesh = ft.distributed.pipeline.pp_mesh(pp=2)  # dp 2 x pp 2
-    for shard in ("ddp", "zero1", "zero2"):
+    for shard in ("ddp", "zero1", "zero2", "fsdp"):
         out[f"dp2 pp2 {shard}"] = _run(mesh, "plain", "1f1b", shard=shard)
+    # fsdp under accumulate (2 pieces), checkpoint and bf16: 2 micro-batches of 1 row per piece,
+    # the rows of the one-process run's 8 micro-batches
+    out["dp2 pp2 fsdp composed"] = _run(mesh, "composed", "1f1b", shard="fsdp", microbatches=2)
     mesh = ft.distributed.pipeline.pp_mesh(pp=2, tp=2)  # pp 2 x tp 2
     out["pp2 tp2"] = _run(mesh, "plain", "interleaved-1f1b", shard="ddp")
     return out
 
 
 def on_eight_ranks() -> dict:
-    """The 3-D mesh: dp 2 x pp 2 x tp 2, zero1 over dp."""
+    """The 3-D mesh: dp 2 x pp 2 x tp 2, zero1 over dp; then fsdp over dp (a few seconds more:
+    the first run pays for the start-up)."""
     torch.set_num_threads(1)
     mesh = ft.distributed.pipeline.pp_mesh(pp=2, tp=2)
-    return {"dp2 pp2 tp2": _run(mesh, "plain", "1f1b", shard="zero1")}
+    return {
+        "dp2 pp2 tp2": _run(mesh, "plain", "1f1b", shard="zero1"),
+        "dp2 pp2 tp2 fsdp": _run(mesh, "plain", "1f1b", shard="fsdp"),
+    }

@@ -78,7 +78,6 @@ def check_pp(cfg: Any) -> None:
         return
     refused = {
         "sequence-parallel": cfg.sequence_parallel,  # its engine and the pipeline's are two
-        "shard fsdp": cfg.shard == "fsdp",
         "compile": cfg.compile,
         "lora-rank": bool(cfg.lora_rank),
         "memory-budget": cfg.memory_budget is not None,
@@ -90,8 +89,8 @@ def check_pp(cfg: Any) -> None:
         if bad:
             raise ValueError(
                 f"--pp {cfg.pp} cannot be combined with --{flag} (pipeline parallelism composes "
-                "with --tp, --shard ddp/zero1/zero2 over the data-parallel groups, accumulation, "
-                f"checkpointing and precision); use --pp {cfg.pp} without --{flag}"
+                "with --tp, any --shard over the data-parallel groups, accumulation, checkpointing "
+                f"and precision); use --pp {cfg.pp} without --{flag}"
             )
     if cfg.pp_microbatches is not None:
         _int_at_least_one("pp-microbatches", cfg.pp_microbatches, "micro-batching")

@@ -137,13 +137,6 @@ RULES: tuple[Rule, ...] = (
         clash=lambda over, ranks: over != ranks,
     ),
     Rule(
-        PIPELINES,
-        GATHERS_PARAMS,
-        "fsdp gathers each block for one micro-batch's forward and backward at a time, and a "
-        "pipeline schedule interleaves the micro-batches of its stages.",
-        "Shard the state over dp with 'zero1' or 'zero2' under {a}.",
-    ),
-    Rule(
         DATA_PARALLEL_OVER,
         DATA_PARALLEL_OVER,
         "both split the model over one mesh, whose 'dp' ranks {a} and {b} must share.",

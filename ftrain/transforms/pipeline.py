@@ -14,10 +14,15 @@ rank runs its stages under ``torch.distributed.pipelining``'s schedule:
 
 Composition:
 
-* ``ft.shard(step, "ddp" | "zero1" | "zero2", mesh=mesh["dp"])``: each pipeline replica gets
-  its part of the batch (a 2-D ``("dp", "pp")`` run); ``state = ft.shard_state(pp.shard_state(
-  state), strategy, mesh=mesh["dp"])``. fsdp is refused: its gathers follow one micro-batch's
-  forward and backward at a time, which the schedules interleave.
+* ``ft.shard(step, strategy, mesh=mesh["dp"])``, any strategy: each pipeline replica gets its
+  part of the batch (a 2-D ``("dp", "pp")`` run); ``state = ft.shard_state(pp.shard_state(
+  state), strategy, mesh=mesh["dp"])``. Under ``"fsdp"`` the engine gathers this rank's stage
+  params from their ``dp`` shards once, when the step starts, runs every micro-batch on them,
+  and leaves their summed gradients to fsdp's reduce, one reduce-scatter when the schedule is
+  done (``ftrain.distributed.data_parallel.step_gather``): fsdp's per-block gathering follows
+  one micro-batch at a time, which the schedules interleave, and would gather once per
+  micro-batch. So during the step a rank holds its stages' whole params and gradients, as under
+  ``"zero2"`` (plus the shards), and between steps 1/dp of params and optimizer state.
 * ``ft.accumulate`` (each piece a pipeline flush of its own), ``ft.checkpoint`` (the stages'
   blocks recomputed) and ``ft.autocast`` (the stages' forwards and the loss in its precision)
   compose in any order; ``ft.compile`` is refused (point-to-point sends, a Python schedule).
@@ -37,6 +42,7 @@ from torch import nn
 
 from ftrain import tree
 from ftrain.apply import apply, rewritten
+from ftrain.distributed.data_parallel.step_gather import gather_for_step, unreduced_grads
 from ftrain.distributed.dtensor import is_dtensor
 from ftrain.distributed.launch import dp_ranks, require_group
 from ftrain.distributed.pipeline.cut import (
@@ -151,7 +157,7 @@ class Pipeline(Transform):
         }
 
     def engine(self, engine):
-        return PipelineEngine(self.runner)
+        return PipelineEngine(self.runner, self.mesh["dp"])
 
     def wrap(self, fn, stage: str):
         if stage != "eager":
@@ -213,13 +219,17 @@ class Pipeline(Transform):
 
 class PipelineEngine:
     """The gradient engine of a pipelined step: this rank's stages under the schedule, once per
-    piece (``ft.accumulate``'s), their gradients summed, ties summed across ranks."""
+    piece (``ft.accumulate``'s), their gradients summed, ties summed across ranks. Params that
+    fsdp keeps split over ``dp`` are gathered once for the whole step and their gradients left
+    to ``ft.shard``'s reduce (``ftrain.distributed.data_parallel.step_gather``)."""
 
-    def __init__(self, runner: Runner):
-        self.runner = runner
+    def __init__(self, runner: Runner, dp: Any):
+        self.runner, self.dp = runner, dp
 
     def __call__(self, forward, params, pieces, scale) -> Grads:
-        grads, total, count, aux = self.runner.run(forward, params, pieces, scale)
+        whole = gather_for_step(params, self.dp)  # fsdp's shards, whole until the step ends
+        grads, total, count, aux = self.runner.run(forward, whole, pieces, scale)
+        grads = unreduced_grads(grads, params, self.dp)  # reduce-scattered once, by ft.shard
         grads = self.runner.reduce_shared(grads, tree.structure(params).paths)
         return Grads(grads, total, count, aux, True)
 
@@ -272,12 +282,12 @@ def pipeline(
 
     **Invariant:** equals one process holding the whole model (fp32: 1e-5 after several steps),
     for every schedule, with ``accumulate``/``checkpoint``/``autocast``, and under ``ft.shard``
-    over ``dp`` (ddp, zero1, zero2). Metrics (loss, count, grad_norm) are the whole model's on
-    every rank.
+    over ``dp`` (ddp, zero1, zero2, fsdp). Metrics (loss, count, grad_norm) are the whole model's
+    on every rank.
 
     Raises when built: no process group, a mesh without ``"pp"``, an unknown schedule, fewer
     blocks than stages, a ``stages`` that does not cut the blocks, ``microbatches`` fewer than
-    the stages; ``fsdp`` or ``compile`` in the step. At the first call: a state ``shard_state``
+    the stages; ``compile`` in the step. At the first call: a state ``shard_state``
     did not lay out; a batch whose rows ``microbatches`` does not divide.
     """
     require_group("pipeline")

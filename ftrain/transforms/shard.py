@@ -33,6 +33,12 @@ Composition:
   (``ftrain.distributed.data_parallel.dp_split``), so ``fsdp`` gathers exactly the piece the
   tensor-parallel forward computes with; a tp piece too small to split (a column-parallel bias)
   stays whole over ``dp`` and its gradient is all-reduced.
+* ``ft.pipeline`` on a ``("dp", "pp", "tp")`` mesh: any strategy over ``mesh["dp"]``, on a
+  state laid out by ``ft.shard_state(pp.shard_state(state), strategy, mesh=mesh["dp"])``. Under
+  ``fsdp`` the pipeline's engine gathers its stages' params once per step, before its schedule
+  interleaves the micro-batches, and this reduce phase reduce-scatters their summed gradients
+  once (``ftrain.distributed.data_parallel.step_gather``); the per-block gathering then finds
+  nothing split (docs/pipeline-parallel.md).
 * The model must be called through ``ft.apply`` inside the loss (``fsdp`` gathers there).
 * Randomness: each process folds its rank into the step's random stream, so dropout masks differ
   between ranks (as they would between the rows of one big batch), and a sharded run with dropout

@@ -97,7 +97,7 @@ def test_tp_flags_that_do_not_compose_are_usage_errors(flags, message, capsys):
     "flags, message",
     [
         (["--pp", "0"], "--pp must be an int >= 1"),
-        (["--pp", "2", "--shard", "fsdp"], "--pp 2 cannot be combined with --shard fsdp"),
+        (["--pp", "2", "--offload", "optimizer"], "--pp 2 cannot be combined with --offload"),
         (["--pp", "2", "--compile"], "--pp 2 cannot be combined with --compile"),
         (["--pp", "2", "--tp", "2", "--sequence-parallel"], "cannot be combined with --sequence"),
         (["--pp", "2", "--pack"], "--pp 2 cannot be combined with --pack"),
@@ -114,8 +114,8 @@ def test_pp_flags_that_do_not_compose_are_usage_errors(flags, message, capsys):
     assert message in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2"])
-def test_pp_composes_with_ddp_and_zero(strategy):
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "fsdp"])
+def test_pp_composes_with_every_shard_strategy(strategy):
     p = argparse.ArgumentParser()
     add_arguments(p)
     cfg = from_args(p.parse_args(["--pp", "2", "--shard", strategy, "--batch-size", "8"]))

@@ -343,20 +343,27 @@ def assert_two_processes_equal_one_and_resume_on_one(tmp_path, common, *, full, 
         assert max(abs(got[s] - want[s]) for s in want) <= 1e-5, run
 
 
-def test_tp_with_fsdp_over_the_dp_groups_equals_one_process(tmp_path, tiny_run):
+def test_tp_or_pp_with_fsdp_over_the_dp_groups_equals_one_process(tmp_path, tiny_run):
     """`ftrain train --tp 2 --shard fsdp` on 4 processes (matrices split over tp, the params,
     grads and optimizer state split again over the 2 data-parallel groups) logs the losses of one
     process given the same global batch (to 1e-5), and saves a sharded checkpoint on the way.
-    (One process is the reference: `--tp 2` with ddp equals it too, by the test above.)"""
+    `--pp 2 --shard fsdp`, run next in the same processes (each stage's state split over the 2
+    groups), logs them too. (One process is the reference: `--tp 2` and `--pp 2` with ddp equal
+    it too, by the tests above.)"""
     common = [*tiny_run, "--batch-size", "2", "--global-batch-size", "4", "--decay-steps", "3",
               "--save-every", "3", "--max-steps", "3"]  # fmt: skip
 
     def cfg(out, *more):
         return _config([*common, "--out", str(tmp_path / out), *more])
 
-    ft.distributed.run_distributed(_train_each, 4, [cfg("fsdp", "--tp", "2", "--shard", "fsdp")])
+    pp = cfg("pp", "--pp", "2", "--pp-microbatches", "2", "--shard", "fsdp")
+    ft.distributed.run_distributed(
+        _train_each, 4, [cfg("fsdp", "--tp", "2", "--shard", "fsdp"), pp]
+    )
     train(cfg("one"))
-    got, want = _losses(tmp_path / "fsdp"), _losses(tmp_path / "one")
-    assert sorted(got) == sorted(want) == [1, 2, 3]
-    assert max(abs(got[s] - want[s]) for s in want) <= 1e-5
+    want = _losses(tmp_path / "one")
+    for run in ("fsdp", "pp"):
+        got = _losses(tmp_path / run)
+        assert sorted(got) == sorted(want) == [1, 2, 3]
+        assert max(abs(got[s] - want[s]) for s in want) <= 1e-5, run
     assert ft.load_meta(ft.latest_checkpoint(tmp_path / "fsdp"))["format_version"] == 2

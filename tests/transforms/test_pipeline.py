@@ -2,7 +2,7 @@
 
 The ranks run in two session fixtures (``_pipeline_ranks.py``): 2 processes (pp = 2: every
 schedule, donation, an untied head, accumulate + checkpoint + bf16, fp16, a checkpoint resumed on
-another schedule, the errors) and 4 (pp = 4, dp 2 x pp 2 with ddp, zero1 and zero2). Each returns
+another schedule, the errors) and 4 (pp = 4, dp 2 x pp 2 with ddp, zero1, zero2 and fsdp). Each returns
 the whole state (``pp.unshard_state``) and each step's metrics, compared here with one process.
 """
 
@@ -94,9 +94,25 @@ def test_four_stages_equal_one_process(pipeline_four_ranks, schedule):
     )
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2"])
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "fsdp"])
 def test_data_parallel_times_pipeline_equals_one_process(pipeline_four_ranks, strategy):
     assert_equal_to_one_process([r[f"dp2 pp2 {strategy}"] for r in pipeline_four_ranks], "plain")
+
+
+def test_fsdp_under_a_pipeline_composes_with_accumulate_checkpoint_and_bf16(pipeline_four_ranks):
+    """fsdp's stage params gathered once for the step, with 2 accumulated pieces, recomputed
+    blocks and bf16 forwards: the one process's 8 micro-batches of one row."""
+    got = [r["dp2 pp2 fsdp composed"] for r in pipeline_four_ranks]
+    assert_equal_to_one_process(got, "composed")
+
+
+def test_fsdp_under_a_pipeline_keeps_half_the_state_at_rest(pipeline_four_ranks):
+    """Between steps each process holds 1/dp of its stages' params and optimizer state: about
+    half of what ddp keeps, less than zero2 (whose params stay whole)."""
+    for r in pipeline_four_ranks:
+        ddp, zero2, fsdp = (r[f"dp2 pp2 {s}"]["bytes"] for s in ("ddp", "zero2", "fsdp"))
+        assert 0.45 * ddp < fsdp < 0.55 * ddp
+        assert fsdp < 0.8 * zero2
 
 
 def test_tensor_parallel_stages_equal_one_process(pipeline_four_ranks):
@@ -104,9 +120,11 @@ def test_tensor_parallel_stages_equal_one_process(pipeline_four_ranks):
     assert_equal_to_one_process([r["pp2 tp2"] for r in pipeline_four_ranks], "plain")
 
 
-def test_the_3d_mesh_equals_one_process(pipeline_eight_ranks):
-    """dp 2 x pp 2 x tp 2 on 8 processes, zero1 over dp."""
-    assert_equal_to_one_process([r["dp2 pp2 tp2"] for r in pipeline_eight_ranks], "plain")
+@pytest.mark.parametrize("run", ["dp2 pp2 tp2", "dp2 pp2 tp2 fsdp"])
+def test_the_3d_mesh_equals_one_process(pipeline_eight_ranks, run):
+    """dp 2 x pp 2 x tp 2 on 8 processes, zero1 over dp; and fsdp over dp (each stage's tp
+    pieces gathered over dp once per step)."""
+    assert_equal_to_one_process([r[run] for r in pipeline_eight_ranks], "plain")
 
 
 # -- one process: the cut ------------------------------------------------------------------------
@@ -148,7 +166,7 @@ def test_a_step_without_process_group_is_refused():
         ft.pipeline(tiny_gpt(), None)
 
 
-def test_fsdp_and_another_mesh_are_refused_with_the_reason():
+def test_fsdp_composes_and_another_mesh_is_refused_with_the_reason():
     from ftrain.step import capabilities as c
 
     class Declares(ft.Transform):
@@ -163,12 +181,11 @@ def test_fsdp_and_another_mesh_are_refused_with_the_reason():
         "tensor_parallel", {c.SPLITS_MATRICES: "", c.DATA_PARALLEL_OVER: "ranks [0, 2]"}
     )
     other = Declares("tensor_parallel", {c.SPLITS_MATRICES: "", c.DATA_PARALLEL_OVER: "ranks [0]"})
-    fsdp = Declares("shard", {c.GATHERS_PARAMS: ""})
+    fsdp = Declares("shard", {c.GATHERS_PARAMS: "", c.SHARDED_PARAMS: "fsdp"})
     c.check_combination([pipe, same])  # one mesh: they compose
+    c.check_combination([fsdp, pipe])  # its engine gathers fsdp's shards once per step
     with pytest.raises(ValueError, match="same mesh"):
         c.check_combination([pipe, other])
-    with pytest.raises(ValueError, match="'zero1' or 'zero2'"):
-        c.check_combination([fsdp, pipe])
 
 
 def test_stages_by_counts_or_by_block_names():

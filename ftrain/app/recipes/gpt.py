@@ -200,9 +200,9 @@ def build_state(
 
 def born_sharded(cfg: TrainConfig, world: int) -> bool:
     """Whether the state is born as this process's fsdp shards (never whole on any process):
-    ``--shard fsdp`` over two or more processes (with ``--tp``: its tensor-parallel pieces split
-    over the dp groups; with ``--lora-rank``: the frozen base, the adapters being small)."""
-    return cfg.shard == "fsdp" and world > 1
+    ``--shard fsdp`` over two or more processes (``--tp``: its pieces split over the dp groups;
+    ``--lora-rank``: the frozen base). Not with ``--pp``: built whole, then laid out (lay_out)."""
+    return cfg.shard == "fsdp" and world > 1 and cfg.pp == 1
 
 
 def build_model_and_state(
