@@ -273,6 +273,8 @@ class Step:
         denom = nonzero(count.to(torch.float32))  # the one division, by the whole batch's count
         if scale is not None:
             denom = denom * scale
+        if grads and denom.device != grads[0].device:  # on the host already (ft.offload's sink)
+            denom = denom.to(grads[0].device)  # a 0-d copy; the sink has waited for its copies
         if owned:
             foreach.div_(grads, denom)
         else:  # autograd's own (see AutogradEngine): out of place, then the buffers are ours
