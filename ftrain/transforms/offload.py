@@ -207,8 +207,10 @@ class Offload(Transform):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class OffloadGradients(Offload):
-    """:class:`Offload` in mode ``"optimizer+gradients"``: its ``gradients`` hook also copies the
-    gradients to the host as soon as they are final (after the reduction across processes)."""
+    """:class:`Offload` in mode ``"optimizer+gradients"``: the gradients also copied to the host
+    as soon as they are final. Its ``engine`` hook hands the engine a :class:`HostCopies`, which
+    copies each one during backward where no reduction across processes changes it afterwards;
+    its ``gradients`` hook copies the others, after the reduction."""
 
     mode: str = "optimizer+gradients"
 
@@ -301,7 +303,10 @@ def offload(step: Step, mode: str = "optimizer") -> Step:
             tensors to NCCL).
         mode: ``"optimizer"`` (the state, and the update's work, on the host; the gradients are
             copied there by the update) or ``"optimizer+gradients"`` (also the gradients copied to
-            the host right after the reduction across processes, before the ``gradients`` hooks).
+            the host as soon as they are final, before the ``gradients`` hooks: in one process
+            during backward, each as soon as autograd has produced it, into pinned buffers
+            reused across steps, so the copies overlap the rest of the backward and each
+            device gradient is freed early; under ``ft.shard`` right after the reduction).
 
     What moves where, per step: the gradients and the params device-to-host, the new params
     host-to-device (3x the params' bytes over PCIe); the optimizer state (2x the params' bytes
