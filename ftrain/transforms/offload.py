@@ -45,9 +45,9 @@ backward and the reduction stay compiled.
 
 **What is left for a GPU** (on a machine without one the host is the device: the copies are
 host-to-host, the same code runs, and the result is bitwise that of the step without offload):
-the side stream and pinned buffers are exercised by the CUDA test only; the params are copied to
-the host each step (pageable; a pinned copy-back buffer, or a host master copy, would overlap the
-host-to-device copy); per-block copies under fsdp (its reduce-scatter is per block already, but
+the side stream and pinned buffers are exercised by the CUDA tests only; the params are copied to
+the host each step (into pinned buffers reused by :func:`offloaded`; a host master copy would
+save that copy); per-block copies under fsdp (its reduce-scatter is per block already, but
 its reduce phase still changes some gradients after backward); and fp16 loss scaling's skip flag
 (a device tensor) has not been run against host state.
 """
@@ -127,6 +127,30 @@ def _back(host: Leaves, like: Leaves, inplace: bool) -> Leaves:
     return out
 
 
+def _reused(buffers: Leaves, i: int, like: torch.Tensor) -> torch.Tensor:
+    """``buffers[i]``: a contiguous host tensor shaped like ``like``, the one already there when
+    its shape and dtype fit, else a new one (pinned where ``like`` is on a CUDA device)."""
+    while len(buffers) <= i:
+        buffers.append(torch.empty(0))
+    if buffers[i].shape != like.shape or buffers[i].dtype != like.dtype:
+        pin = like.device.type == "cuda"  # page-locked: a copy the device runs on its own
+        buffers[i] = torch.empty(like.shape, dtype=like.dtype, device=HOST, pin_memory=pin)
+    return buffers[i]
+
+
+def _staged(ts: Leaves, buffers: Leaves) -> Leaves:
+    """``ts`` on the host: plain CUDA tensors copied into ``buffers`` (reused; the copy waits
+    for the device, so an earlier copy back from a buffer is done before it is written), others
+    as :func:`_to_host` gives them (a host tensor itself; a DTensor or fake tensor copied)."""
+    out = []
+    for i, t in enumerate(ts):
+        if type(t) is torch.Tensor and t.device.type == "cuda":
+            out.append(_reused(buffers, i, t).copy_(t))
+        else:
+            out.extend(_to_host([t]))
+    return out
+
+
 def offloaded(inner: GradientTransformation) -> GradientTransformation:
     """``inner`` with its state on the host and its update run there.
 
@@ -136,11 +160,17 @@ def offloaded(inner: GradientTransformation) -> GradientTransformation:
     fused kernel writing the params) runs on host copies of the params and writes the new ones
     back. Both run outside ``torch.compile``'s graph.
 
+    The host copies of CUDA params are made into transfer buffers that this optimizer keeps and
+    reuses (pinned, one per param: the copy back to the device from them is asynchronous); so
+    one offloaded optimizer serves one step at a time. Params already on the host (a machine
+    without a GPU) are used as they are.
+
     **Invariant:** the same updates, state values and new params as ``inner`` (the same kernels
     on the same values: bitwise where the host runs the kernel the device would run); the state
     stays on the host.
     """
     inner_update, inner_apply = leaf_update(inner), leaf_apply(inner)
+    staging: list[torch.Tensor] = []  # host copies of the device params, reused across steps
 
     def init(params):
         leaves = tree.leaves(params)
@@ -152,13 +182,13 @@ def offloaded(inner: GradientTransformation) -> GradientTransformation:
     def update(u: Leaves, s: Leaves, p: Leaves | None, ctx: LeafContext):
         hu = _to_host(u)
         owned = ctx.owned or any(a is not b for a, b in zip(hu, u))  # copies are ours
-        hp = None if p is None else _to_host(p)
+        hp = None if p is None else _staged(p, staging)
         new_u, new_s = inner_update(hu, _to_host(s), hp, ctx._replace(owned=owned))
         return _back(new_u, u, False), _pinned(new_s, s)
 
     @torch.compiler.disable
     def apply(g: Leaves, s: Leaves, p: Leaves, ctx: LeafContext):
-        hg, hp = _to_host(g), _to_host(p)
+        hg, hp = _to_host(g), _staged(p, staging)
         owned = ctx.owned or any(a is not b for a, b in zip(hg, g))
         # host copies of the params may be overwritten; the params themselves only when donated
         new_hp, new_s = inner_apply(hg, _to_host(s), hp, ctx._replace(owned=owned))
@@ -247,7 +277,7 @@ class HostCopies:
         self.taken = 0  # gradients handed over in this step
 
     def take(self, i: int, grad: torch.Tensor) -> None:
-        buf = self._buffer(i, grad)
+        buf = _reused(self.buffers, i, grad)
         if grad.device.type == "cuda":
             stream = self.streams.get(grad.device)
             if stream is None:
@@ -265,16 +295,6 @@ class HostCopies:
             stream.synchronize()  # a host sync: the update reads the buffers next
         n, self.taken = self.taken, 0
         return self.buffers[:n]
-
-    def _buffer(self, i: int, grad: torch.Tensor) -> torch.Tensor:
-        while len(self.buffers) <= i:
-            self.buffers.append(torch.empty(0))
-        buf = self.buffers[i]
-        if buf.shape != grad.shape or buf.dtype != grad.dtype:
-            pin = grad.device.type == "cuda"  # page-locked: a copy the device runs on its own
-            buf = torch.empty(grad.shape, dtype=grad.dtype, device=HOST, pin_memory=pin)
-            self.buffers[i] = buf
-        return buf
 
     def __repr__(self) -> str:
         return "HostCopies()"

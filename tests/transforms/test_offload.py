@@ -212,10 +212,12 @@ def test_on_cuda_gradients_are_copied_on_a_side_stream_into_pinned_buffers_reuse
     model = tiny_gpt().cuda()
     opt = ft.optim.adamw(1e-2, weight_decay=0.1)
     state = ft.TrainState.create(ft.params_of(model), opt)
-    step = ft.accumulate(ft.train_step(lm_loss(model), opt), 2)
+    # donated: the new params are written into the pinned staging buffers and copied back from
+    # them asynchronously, and the next step copies the params into the same buffers
+    step = ft.accumulate(ft.train_step(lm_loss(model), opt, donate=True), 2)
     offloaded = ft.offload(step, "optimizer+gradients")
-    want, got = state, state
-    for i in range(2):
+    want, got = state.clone(), state.clone()
+    for i in range(3):
         cuda = {k: v.cuda() for k, v in lm_batch(8, seed=i, lengths=UNEVEN).items()}
         want, _ = step(want, cuda)
         got, _ = offloaded(got, cuda)
