@@ -10,12 +10,19 @@ Sides, each one training step (forward, backward, AdamW update) of the same GPT 
 * **ftrain**: ``ft.train_step(loss, adamw, donate=True)``, everything on ``--device``;
 * **ftrain offload**: ``ft.offload`` of that step: optimizer state on the host, the update there
   (torch's fused CPU AdamW), the params copied back;
+* **ftrain offload+grads per block**: ``ft.offload(step, "optimizer+gradients")``: each
+  gradient copied into a host transfer buffer (pinned, reused) during backward, as soon as
+  autograd has produced it (on CUDA on a side stream, beside the rest of the backward);
+* **ftrain offload+grads after**: the same with the engine's sink dropped (what offload did
+  before the per-block copies): the gradients copied to the host after the whole backward;
 * **torch offload**: the model on ``--device``, ``loss.backward()``, each ``.grad`` copied into the
   ``.grad`` of a host copy of the params, ``torch.optim.AdamW(fused=True)`` on the host copies,
   then the params copied back (what a hand-written ZeRO-Offload loop does, without overlap).
 
 On a CPU the host is the device: every copy of ``ft.offload`` is a no-op, so the ratio is the
-wrapper's own overhead; the torch side still copies (its host params are a second set). Timed in
+wrapper's own overhead; the torch side still copies (its host params are a second set), and so
+does the per-block side (host to host, into its transfer buffers: the same code as on a GPU), so
+its ratio to "after" is what those copies cost where nothing is there to overlap them. Timed in
 rounds with the order rotating (``_common.rounds``); on CUDA each call ends with a synchronize.
 """
 
@@ -30,6 +37,7 @@ from _common import machine, rounds, write_section  # beside this script
 
 import ftrain as ft
 from ftrain.models import GPT, GPTConfig
+from ftrain.step import AutogradEngine
 
 LR, WD = 3e-4, 0.1
 
@@ -49,9 +57,18 @@ def sides(device: str, width: int, layers: int, rows: int, seq: int) -> dict:
     opt = ft.optim.adamw(LR, weight_decay=WD)
     step = ft.train_step(loss_fn, opt, donate=True)
     offloaded = ft.offload(step)
+    per_block = ft.offload(step, "optimizer+gradients")
+    after = _WithoutSink()(per_block)  # the copy after backward, as before the sink
+    assert per_block.resolved.gradient_engine.sink is not None
+    assert after.resolved.gradient_engine.sink is None
+    steps = {"ftrain offload+grads per block": per_block, "ftrain offload+grads after": after}
     states = {
         "ftrain": ft.TrainState.create(ft.params_of(model), opt),
         "ftrain offload": offloaded.init_extra(ft.TrainState.create(ft.params_of(model), opt)),
+        **{
+            k: s.init_extra(ft.TrainState.create(ft.params_of(model), opt))
+            for k, s in steps.items()
+        },
     }
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
 
@@ -79,7 +96,16 @@ def sides(device: str, width: int, layers: int, rows: int, seq: int) -> dict:
         sync()
 
     return {"ftrain": run("ftrain", step), "ftrain offload": run("ftrain offload", offloaded),
+            **{k: run(k, s) for k, s in steps.items()},
             "torch offload": torch_offload}  # fmt: skip
+
+
+class _WithoutSink(ft.Transform):
+    """The default gradient engine back, without ft.offload's sink: the gradients are then
+    copied to the host by offload's gradients hook, after the whole backward."""
+
+    def engine(self, engine):
+        return AutogradEngine(engine.reduced_in_backward, engine.reduced_after)
 
 
 def main() -> int:
@@ -98,6 +124,8 @@ def main() -> int:
     got = rounds(fns, n)
     base = got["ftrain"]["wall"]
     rows = [f"| {k} | {v['wall'] * 1e3:.1f} | {v['wall'] / base:.2f}x |" for k, v in got.items()]
+    per_block = got["ftrain offload+grads per block"]["wall"]
+    ratio = per_block / got["ftrain offload+grads after"]["wall"]
     load = os.getloadavg()[0]
     body = "\n".join(
         [
@@ -109,9 +137,14 @@ def main() -> int:
             "| --- | --- | --- |",
             *rows,
             "",
+            f"Gradients copied per block during backward vs after it: {ratio:.2f}x the step time.",
+            "",
             "On a CPU the host is the device: ft.offload's copies are no-ops and its ratio is the "
-            "wrapper's overhead (the update runs outside any compiled graph, here none). GPU "
-            "numbers (PCIe copies against the device's update): not yet measured.",
+            "wrapper's overhead (the update runs outside any compiled graph, here none); the "
+            "per-block side still copies each gradient into its transfer buffer (host to host, "
+            "nothing to overlap), so its ratio to 'after' is those copies' cost. GPU numbers "
+            "(PCIe copies against the device's update, the copies beside the backward): not yet "
+            "measured.",
         ]
     )
     print(body)

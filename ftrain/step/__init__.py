@@ -10,7 +10,14 @@
 
 from ftrain.step import capabilities
 from ftrain.step.core import Resolved, Step, train_step
-from ftrain.step.engine import AutogradEngine, BackwardPlan, GradEngine, Grads, backward_plan
+from ftrain.step.engine import (
+    AutogradEngine,
+    BackwardPlan,
+    GradEngine,
+    GradientSink,
+    Grads,
+    backward_plan,
+)
 from ftrain.step.func_engine import FuncEngine
 from ftrain.step.transform import HOOKS, STAGES, Gradients, LossCall, StepFn, Transform
 
@@ -20,6 +27,7 @@ __all__ = [
     "FuncEngine",
     "GradEngine",
     "Gradients",
+    "GradientSink",
     "Grads",
     "HOOKS",
     "LossCall",

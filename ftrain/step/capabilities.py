@@ -50,6 +50,7 @@ __all__ = [
     "forward_rank",
     "replaces_engine",
     "reduces_in_backward",
+    "across_processes",
 ]
 
 # -- what a transform does (each sentence reads "ft.<name> ...") ------------------------------------
@@ -193,7 +194,9 @@ def check_combination(transforms: Sequence[Transform]) -> None:
 
 
 def check_engines(changed: Sequence[Transform]) -> None:
-    """``changed``: the transforms whose ``engine`` hook changed the engine. One that declares
+    """``changed``: the transforms whose ``engine`` hook changed what the engine computes (one
+    that only hands the default engine a gradient sink, ``ft.offload``'s, is not among them: a
+    replaced engine drops the sink and the gradients are the same). One that declares
     ``REPLACES_ENGINE`` computes the gradients its own way, so no other may change the engine
     (in either order: a later one could drop what the replaced engine does, e.g. DP-SGD's
     clipping, and keep the rest)."""
@@ -233,6 +236,14 @@ def replaces_engine(transforms: Sequence[Transform]) -> bool:
 def reduces_in_backward(transforms: Sequence[Transform]) -> bool:
     """Whether gradients are reduced across processes while backward runs."""
     return _declares(transforms, REDUCES_IN_BACKWARD)
+
+
+def across_processes(transforms: Sequence[Transform]) -> bool:
+    """Whether a transform splits the batch or the model across processes (data, tensor or
+    pipeline parallelism): gradients are then combined across them besides the engine's sum."""
+    return any(
+        _declares(transforms, c) for c in (DATA_PARALLEL, DATA_PARALLEL_OVER, REDUCES_IN_BACKWARD)
+    )
 
 
 def notes(transforms: Sequence[Transform], capability: str) -> list[tuple[Transform, str]]:

@@ -88,16 +88,22 @@ class Step:
             h: tuple(t for t in ts if _overrides(t, h))
             for h in ("init", "split", "loss_scale", "reduce", "gradients")
         }
-        optimizer, engine = self.optimizer, AutogradEngine(capabilities.reduces_in_backward(ts))
+        # the engine's gradients are the step's unless a transform reduces them afterwards
+        reduced_after = bool(per_call["reduce"]) or capabilities.across_processes(ts)
+        optimizer = self.optimizer
+        engine = AutogradEngine(capabilities.reduces_in_backward(ts), reduced_after)
         swapped: dict[str, list[Transform]] = {"optimizer": [], "engine": []}
+        replaced = []  # changed what the engine computes (not only added a gradient sink)
         for t in ts:
             new_opt, new_engine = t.optimizer(optimizer), t.engine(engine)
             if new_opt is not optimizer:
                 swapped["optimizer"].append(t)
             if new_engine is not engine:
                 swapped["engine"].append(t)
+                if not (isinstance(new_engine, AutogradEngine) and new_engine.adds_sink_to(engine)):
+                    replaced.append(t)
             optimizer, engine = new_opt, new_engine
-        capabilities.check_engines(swapped["engine"])
+        capabilities.check_engines(replaced)
         call: LossCall = _call_loss_fn(self.loss_fn)
         forwards = []
         for t in sorted(ts, key=capabilities.forward_rank):
@@ -267,6 +273,8 @@ class Step:
         denom = nonzero(count.to(torch.float32))  # the one division, by the whole batch's count
         if scale is not None:
             denom = denom * scale
+        if grads and denom.device != grads[0].device:  # on the host already (ft.offload's sink)
+            denom = denom.to(grads[0].device)  # a 0-d copy; the sink has waited for its copies
         if owned:
             foreach.div_(grads, denom)
         else:  # autograd's own (see AutogradEngine): out of place, then the buffers are ours

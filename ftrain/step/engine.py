@@ -26,6 +26,7 @@ __all__ = [
     "Forward",
     "GradEngine",
     "AutogradEngine",
+    "GradientSink",
     "BackwardPlan",
     "backward_plan",
     "nonzero",
@@ -63,6 +64,23 @@ class GradEngine(Protocol):
         pieces: Sequence[Any],
         scale: torch.Tensor | None,
     ) -> Grads: ...
+
+
+class GradientSink(Protocol):
+    """Where :class:`AutogradEngine` hands each parameter's gradient of the step's whole summed
+    loss as soon as the last micro-batch's backward has produced it, while backward goes on
+    (``ft.offload`` copies it to the host there). The engine then returns :meth:`result`."""
+
+    def take(self, i: int, grad: torch.Tensor) -> None:
+        """The final gradient of the ``i``-th param (the params' leaf order): the sum over every
+        micro-batch, not yet divided by the count. Called once per param and step, possibly on
+        autograd's worker thread; ``grad`` may be read only until this returns, or on the
+        device's current stream (a copy issued there, or on a stream that waits for it)."""
+
+    def result(self) -> list[torch.Tensor]:
+        """The gradients taken, in the params' leaf order, ready to be read (copies finished);
+        called once backward has returned. The step reads them, never writes them, and only
+        until the engine's next call (a sink may reuse its buffers then)."""
 
 
 class BackwardPlan:
@@ -152,10 +170,55 @@ class AutogradEngine:
     (then the sum is backpropagated; ``reduced_in_backward``, which the step sets when a
     transform declares ``REDUCES_IN_BACKWARD``). Each micro-batch's :class:`BackwardPlan` says
     which.
+
+    With a ``sink`` (:class:`GradientSink`, :meth:`handing_over`), each param's final gradient is
+    handed to it during the last micro-batch's backward, as soon as autograd has added up every
+    use of the param (a tensor hook on the leaf copy: it fires once per backward, with the sum):
+    the earlier micro-batches' sum plus this one's, the same additions in the same order as
+    without a sink. Autograd keeps a zero-stride placeholder in its place, so the gradient's
+    memory is freed as soon as the sink is done with it, and the engine returns the sink's
+    :meth:`~GradientSink.result`. Only where that is the step's final gradient: not when
+    ``reduced_after`` (a transform reduces the gradients across processes after the engine, or
+    splits the model over processes), nor ``reduced_in_backward``, nor for a micro-batch that
+    is reweighted after its backward, nor while ``torch.compile`` traces, nor for DTensor or
+    fake params (``ft.memory``'s plan); there the sink is not used.
     """
 
-    def __init__(self, reduced_in_backward: bool = False):
+    def __init__(
+        self,
+        reduced_in_backward: bool = False,
+        reduced_after: bool = False,
+        sink: GradientSink | None = None,
+    ):
         self.reduced_in_backward = reduced_in_backward
+        self.reduced_after = reduced_after
+        self.sink = sink
+
+    def handing_over(self, sink: GradientSink) -> AutogradEngine:
+        """This engine with ``sink`` (see the class docstring); itself where the step reduces
+        or sums gradients across processes (no gradient of its own is final there)."""
+        if self.reduced_after or self.reduced_in_backward:
+            return self
+        return AutogradEngine(self.reduced_in_backward, self.reduced_after, sink)
+
+    def adds_sink_to(self, before: object) -> bool:
+        """Whether this engine is ``before`` (an AutogradEngine without a sink) with a sink
+        added: the same gradients, so a transform that replaces the engine may drop it."""
+        return (
+            isinstance(before, AutogradEngine)
+            and before.sink is None
+            and self.sink is not None
+            and (self.reduced_in_backward, self.reduced_after)
+            == (before.reduced_in_backward, before.reduced_after)
+        )
+
+    def _sinks(self, leaves: list[torch.Tensor]) -> bool:
+        return (
+            self.sink is not None
+            and not torch.compiler.is_compiling()
+            # DTensors (laid out across processes); ft.memory's fake tensors plan without it
+            and not any(hasattr(t, "placements") or isinstance(t, FakeTensor) for t in leaves)
+        )
 
     def __call__(
         self,
@@ -171,45 +234,96 @@ class AutogradEngine:
         total = count = None
         owned = False
         aux: dict[str, torch.Tensor] = {}
-        for piece in pieces:
+        for k, piece in enumerate(pieces):
             plan = BackwardPlan()
             with _PLAN.using(plan):
                 loss, low_mean = forward(p_in, piece)
             # a loss scale forces it; a low-precision mean only where gradients stay local
             plan.reweight = scale is not None or (low_mean and not self.reduced_in_backward)
-            if plan.reweight:
-                n = nonzero(loss.count.detach().to(torch.float32))
-                factor = 1.0 / n if scale is None else scale / n
-                g = torch.autograd.grad(loss.total * factor, leaves, allow_unused=True)
-                # weight by the count, out of place: the gradient of the sum, in fresh buffers
-                with _kernels(g):
-                    weighted = iter(foreach.mul([x for x in g if x is not None], n))
-                g = [None if x is None else next(weighted) for x in g]
-                fresh = True
+            if not plan.reweight and k == len(pieces) - 1 and self._sinks(leaves):
+                # the last backward: each final gradient handed over as autograd produces it
+                grads, owned = _hand_over(self.sink, loss.total, leaves, grads), False
             else:
-                g = torch.autograd.grad(loss.total, leaves, allow_unused=True)
-                # autograd's own may share memory ((a + b).sum() gives a and b one gradient
-                # tensor) or be broadcast views: written in place only when none does
-                fresh = exclusive(g)
-            if grads is None:  # later micro-batches add into these
-                grads = [gi if gi is not None else torch.zeros_like(p) for gi, p in zip(g, leaves)]
-                owned = fresh
-            elif not owned:  # the first micro-batch's are autograd's: add out of place, once
-                pairs = [(a, b) for a, b in zip(grads, g) if b is not None]
-                with _kernels(g):
-                    summed = iter(foreach.add([a for a, _ in pairs], [b for _, b in pairs]))
-                grads = [a.clone() if b is None else next(summed) for a, b in zip(grads, g)]
-                owned = True
-            else:
-                present = [(a, b) for a, b in zip(grads, g) if b is not None]
-                with _kernels(g):
-                    foreach.add_([a for a, _ in present], [b for _, b in present])
+                grads, owned = _add_backward(loss, leaves, plan.reweight, scale, grads, owned)
             t, c = loss.total.detach().float(), loss.count.detach()
             total, count = (t, c) if total is None else (total + t, count + c)
             add_aux(aux, loss.aux, len(pieces))
         return Grads(grads, total, count, aux, owned)
 
     def __repr__(self) -> str:
-        if self.reduced_in_backward:
-            return "AutogradEngine(reduced_in_backward=True)"
-        return "AutogradEngine()"
+        args = [f"{k}=True" for k in ("reduced_in_backward", "reduced_after") if getattr(self, k)]
+        if self.sink is not None:
+            args.append(f"sink={self.sink!r}")
+        return f"AutogradEngine({', '.join(args)})"
+
+
+def _add_backward(
+    loss: Loss,
+    leaves: list[torch.Tensor],
+    reweight: bool,
+    scale: torch.Tensor | None,
+    grads: list[torch.Tensor] | None,
+    owned: bool,
+) -> tuple[list[torch.Tensor], bool]:
+    """``grads`` (the earlier micro-batches' sum, None before the first) plus the gradient of
+    ``loss.total`` (times ``scale``) with respect to ``leaves``; whether the result is the
+    step's to overwrite. See :class:`AutogradEngine` for ``reweight``."""
+    if reweight:
+        n = nonzero(loss.count.detach().to(torch.float32))
+        factor = 1.0 / n if scale is None else scale / n
+        g = torch.autograd.grad(loss.total * factor, leaves, allow_unused=True)
+        # weight by the count, out of place: the gradient of the sum, in fresh buffers
+        with _kernels(g):
+            weighted = iter(foreach.mul([x for x in g if x is not None], n))
+        g = [None if x is None else next(weighted) for x in g]
+        fresh = True
+    else:
+        g = torch.autograd.grad(loss.total, leaves, allow_unused=True)
+        # autograd's own may share memory ((a + b).sum() gives a and b one gradient
+        # tensor) or be broadcast views: written in place only when none does
+        fresh = exclusive(g)
+    if grads is None:  # later micro-batches add into these
+        return [gi if gi is not None else torch.zeros_like(p) for gi, p in zip(g, leaves)], fresh
+    if not owned:  # the first micro-batch's are autograd's: add out of place, once
+        pairs = [(a, b) for a, b in zip(grads, g) if b is not None]
+        with _kernels(g):
+            summed = iter(foreach.add([a for a, _ in pairs], [b for _, b in pairs]))
+        return [a.clone() if b is None else next(summed) for a, b in zip(grads, g)], True
+    present = [(a, b) for a, b in zip(grads, g) if b is not None]
+    with _kernels(g):
+        foreach.add_([a for a, _ in present], [b for _, b in present])
+    return grads, True
+
+
+def _hand_over(
+    sink: GradientSink,
+    total: torch.Tensor,
+    leaves: list[torch.Tensor],
+    sums: list[torch.Tensor] | None,
+) -> list[torch.Tensor]:
+    """The backward of ``total`` with each leaf's whole gradient (``sums[i]``, the earlier
+    micro-batches', plus this backward's) handed to ``sink`` as soon as autograd has it; a leaf
+    the loss does not use hands over its sum so far (zeros without one) after the backward."""
+    taken = [False] * len(leaves)
+
+    def hook(i: int):
+        def take(g: torch.Tensor) -> torch.Tensor:
+            whole = g if sums is None else sums[i] + g  # the engine's add, elementwise
+            if sums is not None:
+                sums[i] = None  # dropped: the earlier sum is freed with this backward's
+            sink.take(i, whole)
+            taken[i] = True
+            return g.new_zeros(()).expand(g.shape)  # what autograd keeps: no memory
+
+        return take
+
+    handles = [leaf.register_hook(hook(i)) for i, leaf in enumerate(leaves)]
+    try:
+        torch.autograd.grad(total, leaves, allow_unused=True)
+    finally:
+        for h in handles:
+            h.remove()
+    for i, leaf in enumerate(leaves):
+        if not taken[i]:
+            sink.take(i, torch.zeros_like(leaf) if sums is None else sums[i])
+    return sink.result()

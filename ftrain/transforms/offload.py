@@ -13,24 +13,43 @@ Hooks (``ft.Transform``; ``step.explain()`` shows them):
   rank offloads its own shards.
 * ``init``: moves a state's optimizer tensors to the host (a state from
   ``ft.TrainState.create``, ``ft.load`` or ``ft.shard_state``); a state already there is kept.
+* ``engine`` (``"optimizer+gradients"``): hands the gradient engine a :class:`HostCopies`, so
+  each param's final gradient is copied to the host during the last micro-batch's backward, as
+  soon as autograd has produced it (``ftrain.step.AutogradEngine``'s sink): the copies of the
+  last blocks run while the first blocks' backward still computes, and each device gradient is
+  freed once its copy is done. Only where the engine's gradients are final: in one process
+  (plain, ``accumulate``: the copy of the last micro-batch's whole sum only, ``checkpoint``,
+  ``autocast`` without a loss scale). Not where something changes them after backward: under
+  ``ft.shard`` (ddp/zero1/zero2 reduce after backward; fsdp reduce-scatters in backward but
+  reduces some after), tensor or pipeline parallelism, fp16 loss scaling or a bf16/fp16 mean
+  (reweighted after backward), ``ft.compile`` (hooks inside a traced backward), a replaced
+  engine (``vmap``, ``dp_sgd``) or ``ft.memory``'s fake tensors: there the gradients hook below
+  copies them, after the reduction.
 * ``gradients`` (``"optimizer+gradients"``): copies the gradients to the host as soon as the
   step holds its final ones, right after the reduction across processes (so NCCL always reduces
   device tensors) and before the other ``gradients`` hooks and the update, which then read them
-  on the host.
+  on the host. Gradients the engine's sink copied are there already: nothing moves.
+
+**Transfer buffers** (:class:`HostCopies`): one host buffer per param, allocated on the first
+step, pinned where the gradients are on a CUDA device (plain memory on a machine without one: the
+same code), reused by every later step of the same step object (the engine holds them, so no
+global state). On CUDA each copy is issued ``non_blocking`` on a side stream that first waits for
+the stream backward runs on; the update waits for that stream before it reads the buffers. The
+step reads them once (the division by the count writes new host tensors), so nothing a step
+returns aliases them.
 
 **Under ft.compile** the offloaded update runs outside the compiled graph
 (``torch.compiler.disable``: a graph break before it and after it): inductor would otherwise trace
 the chain instead of torch's fused CPU kernel and put host work into a device graph. Forward,
 backward and the reduction stay compiled.
 
-**What is left for a GPU** (on a machine without one the host is the device: every copy below is a
-no-op, the same code runs, and the result is bitwise that of the step without offload):
-gradients are copied after the whole backward, not per block while backward still runs (that
-needs an engine that hands each block's gradients over as autograd produces them, reduced per
-block first under ``ft.shard``); the copies are synchronous device-to-host and asynchronous
-host-to-device from pageable buffers (persistent pinned transfer buffers would overlap both);
-the params are copied to the host each step rather than kept there as a master copy; and fp16
-loss scaling's skip flag (a device tensor) has not been run against host state.
+**What is left for a GPU** (on a machine without one the host is the device: the copies are
+host-to-host, the same code runs, and the result is bitwise that of the step without offload):
+the side stream and pinned buffers are exercised by the CUDA tests only; the params are copied to
+the host each step (into pinned buffers reused by :func:`offloaded`; a host master copy would
+save that copy); per-block copies under fsdp (its reduce-scatter is per block already, but
+its reduce phase still changes some gradients after backward); and fp16 loss scaling's skip flag
+(a device tensor) has not been run against host state.
 """
 
 from __future__ import annotations
@@ -43,10 +62,17 @@ from ftrain import tree
 from ftrain.distributed.dtensor import is_dtensor, like, local
 from ftrain.optim.base import GradientTransformation, LeafContext, leaf_apply, leaf_update, leafwise
 from ftrain.state import TrainState
-from ftrain.step import Gradients, Step, Transform
+from ftrain.step import AutogradEngine, Gradients, Step, Transform
 from ftrain.step.capabilities import HOST_OPTIMIZER
 
-__all__ = ["Offload", "OffloadGradients", "offload", "offload_transform", "offloaded"]
+__all__ = [
+    "Offload",
+    "OffloadGradients",
+    "HostCopies",
+    "offload",
+    "offload_transform",
+    "offloaded",
+]
 
 HOST = torch.device("cpu")
 MODES = ("optimizer", "optimizer+gradients")
@@ -101,6 +127,30 @@ def _back(host: Leaves, like: Leaves, inplace: bool) -> Leaves:
     return out
 
 
+def _reused(buffers: Leaves, i: int, like: torch.Tensor) -> torch.Tensor:
+    """``buffers[i]``: a contiguous host tensor shaped like ``like``, the one already there when
+    its shape and dtype fit, else a new one (pinned where ``like`` is on a CUDA device)."""
+    while len(buffers) <= i:
+        buffers.append(torch.empty(0))
+    if buffers[i].shape != like.shape or buffers[i].dtype != like.dtype:
+        pin = like.device.type == "cuda"  # page-locked: a copy the device runs on its own
+        buffers[i] = torch.empty(like.shape, dtype=like.dtype, device=HOST, pin_memory=pin)
+    return buffers[i]
+
+
+def _staged(ts: Leaves, buffers: Leaves) -> Leaves:
+    """``ts`` on the host: plain CUDA tensors copied into ``buffers`` (reused; the copy waits
+    for the device, so an earlier copy back from a buffer is done before it is written), others
+    as :func:`_to_host` gives them (a host tensor itself; a DTensor or fake tensor copied)."""
+    out = []
+    for i, t in enumerate(ts):
+        if type(t) is torch.Tensor and t.device.type == "cuda":
+            out.append(_reused(buffers, i, t).copy_(t))
+        else:
+            out.extend(_to_host([t]))
+    return out
+
+
 def offloaded(inner: GradientTransformation) -> GradientTransformation:
     """``inner`` with its state on the host and its update run there.
 
@@ -110,11 +160,17 @@ def offloaded(inner: GradientTransformation) -> GradientTransformation:
     fused kernel writing the params) runs on host copies of the params and writes the new ones
     back. Both run outside ``torch.compile``'s graph.
 
+    The host copies of CUDA params are made into transfer buffers that this optimizer keeps and
+    reuses (pinned, one per param: the copy back to the device from them is asynchronous); so
+    one offloaded optimizer serves one step at a time. Params already on the host (a machine
+    without a GPU) are used as they are.
+
     **Invariant:** the same updates, state values and new params as ``inner`` (the same kernels
     on the same values: bitwise where the host runs the kernel the device would run); the state
     stays on the host.
     """
     inner_update, inner_apply = leaf_update(inner), leaf_apply(inner)
+    staging: list[torch.Tensor] = []  # host copies of the device params, reused across steps
 
     def init(params):
         leaves = tree.leaves(params)
@@ -126,13 +182,13 @@ def offloaded(inner: GradientTransformation) -> GradientTransformation:
     def update(u: Leaves, s: Leaves, p: Leaves | None, ctx: LeafContext):
         hu = _to_host(u)
         owned = ctx.owned or any(a is not b for a, b in zip(hu, u))  # copies are ours
-        hp = None if p is None else _to_host(p)
+        hp = None if p is None else _staged(p, staging)
         new_u, new_s = inner_update(hu, _to_host(s), hp, ctx._replace(owned=owned))
         return _back(new_u, u, False), _pinned(new_s, s)
 
     @torch.compiler.disable
     def apply(g: Leaves, s: Leaves, p: Leaves, ctx: LeafContext):
-        hg, hp = _to_host(g), _to_host(p)
+        hg, hp = _to_host(g), _staged(p, staging)
         owned = ctx.owned or any(a is not b for a, b in zip(hg, g))
         # host copies of the params may be overwritten; the params themselves only when donated
         new_hp, new_s = inner_apply(hg, _to_host(s), hp, ctx._replace(owned=owned))
@@ -181,15 +237,67 @@ class Offload(Transform):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class OffloadGradients(Offload):
-    """:class:`Offload` in mode ``"optimizer+gradients"``: its ``gradients`` hook also copies the
-    gradients to the host as soon as they are final (after the reduction across processes)."""
+    """:class:`Offload` in mode ``"optimizer+gradients"``: the gradients also copied to the host
+    as soon as they are final. Its ``engine`` hook hands the engine a :class:`HostCopies`, which
+    copies each one during backward where no reduction across processes changes it afterwards;
+    its ``gradients`` hook copies the others, after the reduction."""
 
     mode: str = "optimizer+gradients"
 
     name = "offload"
 
+    def engine(self, engine):
+        if isinstance(engine, AutogradEngine):  # itself where its gradients are not final
+            return engine.handing_over(HostCopies())
+        return engine
+
     def gradients(self, g: Gradients, state: TrainState) -> Gradients:
         return g._replace(grads=_grads_to_host(g.grads))
+
+
+class HostCopies:
+    """``ft.offload``'s gradient sink (``ftrain.step.GradientSink``): each final gradient copied
+    into a host transfer buffer as soon as backward hands it over, while backward goes on.
+
+    The buffers (one per param, contiguous) are allocated when first needed, pinned where the
+    gradient is on a CUDA device, and reused while the params keep their shapes and dtypes. A
+    CUDA gradient is copied ``non_blocking`` on a side stream of its device that first waits for
+    the current stream (the one that produced it); its memory is recorded against the side
+    stream, so the allocator reuses it only after the copy. :meth:`result` waits for the side
+    streams. A host gradient (no GPU) is copied at once, by the same code.
+
+    **Invariant:** :meth:`result` holds exactly the values handed over (a copy: the same bits),
+    in the params' order. Mutable: one per step object (its engine's); a step must not run
+    twice at the same time.
+    """
+
+    def __init__(self) -> None:
+        self.buffers: list[torch.Tensor] = []  # per param, on the host: reused across steps
+        self.streams: dict[torch.device, torch.cuda.Stream] = {}  # a side stream per device
+        self.taken = 0  # gradients handed over in this step
+
+    def take(self, i: int, grad: torch.Tensor) -> None:
+        buf = _reused(self.buffers, i, grad)
+        if grad.device.type == "cuda":
+            stream = self.streams.get(grad.device)
+            if stream is None:
+                stream = self.streams[grad.device] = torch.cuda.Stream(grad.device)
+            stream.wait_stream(torch.cuda.current_stream(grad.device))  # grad is written
+            with torch.cuda.stream(stream):
+                buf.copy_(grad, non_blocking=True)  # device-to-host, beside the backward
+            grad.record_stream(stream)  # its memory is reused only after the copy
+        else:
+            buf.copy_(grad)
+        self.taken += 1
+
+    def result(self) -> list[torch.Tensor]:
+        for stream in self.streams.values():
+            stream.synchronize()  # a host sync: the update reads the buffers next
+        n, self.taken = self.taken, 0
+        return self.buffers[:n]
+
+    def __repr__(self) -> str:
+        return "HostCopies()"
 
 
 def offload_transform(mode: str = "optimizer") -> Offload:
@@ -215,7 +323,10 @@ def offload(step: Step, mode: str = "optimizer") -> Step:
             tensors to NCCL).
         mode: ``"optimizer"`` (the state, and the update's work, on the host; the gradients are
             copied there by the update) or ``"optimizer+gradients"`` (also the gradients copied to
-            the host right after the reduction across processes, before the ``gradients`` hooks).
+            the host as soon as they are final, before the ``gradients`` hooks: in one process
+            during backward, each as soon as autograd has produced it, into pinned buffers
+            reused across steps, so the copies overlap the rest of the backward and each
+            device gradient is freed early; under ``ft.shard`` right after the reduction).
 
     What moves where, per step: the gradients and the params device-to-host, the new params
     host-to-device (3x the params' bytes over PCIe); the optimizer state (2x the params' bytes

@@ -1,14 +1,17 @@
 """ft.offload (ftrain.transforms.offload): the same step with the optimizer state on the host.
 
 On a machine without a GPU the host is the device, so the step runs the same kernels on the same
-values as the step without offload: the comparisons here are bitwise. The CUDA test (params on
-the GPU, state on the host) compares to 1e-6 and skips without a GPU.
+values as the step without offload: the comparisons here are bitwise. In "optimizer+gradients"
+mode the gradients are copied into host transfer buffers during backward (the engine's sink,
+HostCopies) by the same code as on a GPU. The CUDA test (params on the GPU, state and buffers
+pinned on the host, copies on a side stream) compares to 1e-6 and skips without a GPU.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 import ftrain as ft
 from ftrain.testing import assert_no_recompile, max_rel_error, run_distributed
@@ -16,6 +19,7 @@ from ftrain.testing import assert_no_recompile, max_rel_error, run_distributed
 from _tiny import UNEVEN, assert_trees_close, gpt_step, lm_batch, lm_loss, tiny_gpt
 
 MODES = ("optimizer", "optimizer+gradients")
+SHARDS = ("zero2", "fsdp")  # offloaded with the gradients under ft.shard (zero1: the optimizer)
 
 
 def _adamw():
@@ -34,6 +38,11 @@ def _train(step, state, steps=3, start=0):
 
 def _on_host(state) -> bool:
     return all(t.device == torch.device("cpu") for t in ft.tree.leaves(state.opt_state))
+
+
+def _sink(step):
+    """The transfer buffers' owner of an offloaded step (None where its engine has no sink)."""
+    return getattr(step.resolved.gradient_engine, "sink", None)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -66,6 +75,81 @@ def test_offload_composes_with_accumulate_checkpoint_and_autocast():
     ):
         got, _ = _train(offloaded, state)
         assert_trees_close(got, want, 0)
+        # the gradients went through the transfer buffers during backward, one per param
+        assert len(_sink(offloaded).buffers) == len(ft.tree.leaves(state.params))
+
+
+class _Chain(nn.Module):
+    """Four tanh(Linear) blocks; ``mark`` runs when backward reaches the earliest block (the
+    identity after block 0 is differentiated after blocks 1-3, before block 0)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(6, 6) for _ in range(4))
+
+    def forward(self, x, mark):
+        for i, block in enumerate(self.blocks):
+            x = torch.tanh(block(x))
+            if i == 0 and mark is not None:
+                x = _Mark.apply(x, mark)
+        return x
+
+
+class _Mark(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, mark):
+        ctx.mark = mark
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.mark()
+        return g, None
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_each_gradient_is_copied_to_the_host_during_backward_as_soon_as_it_is_final(k):
+    torch.manual_seed(0)
+    model = _Chain()
+    snapshots = []  # the transfer buffers when backward reaches block 0, per micro-batch
+    rows = torch.randn(4, 6)
+
+    def loss_fn(params, batch, mark=None):
+        out = ft.apply(model, params, batch, mark)  # (rows, 6)
+        return ft.Loss(out.square().sum(), torch.tensor(float(out.numel())))
+
+    opt = ft.optim.sgd(0.1)
+    plain = ft.accumulate(ft.train_step(loss_fn, opt), k)
+    sink_of = []
+
+    def marked(params, batch):
+        mark = lambda: snapshots.append([b.clone() for b in _sink(sink_of[0]).buffers])  # noqa: E731
+        return loss_fn(params, batch, mark)
+
+    offloaded = ft.offload(ft.accumulate(ft.train_step(marked, opt), k), "optimizer+gradients")
+    sink_of.append(offloaded)
+    state = ft.TrainState.create(ft.params_of(model), opt)
+    want, _ = plain(state, rows)
+    got, _ = offloaded(state, rows)
+    assert_trees_close(got, want, 0)  # the step without offload, bitwise
+    # the reference, computed another way: torch.autograd.grad of each micro-batch's summed loss
+    # on the model's own params, added in micro-batch order (what the buffers hold, undivided)
+    params = list(model.parameters())
+    ref = None
+    for piece in rows.chunk(k):
+        g = torch.autograd.grad(model(piece, None).square().sum(), params)
+        ref = g if ref is None else [a + b for a, b in zip(ref, g)]
+    final = _sink(offloaded).buffers
+    assert [tuple(b.shape) for b in final] == [tuple(p.shape) for p in params]
+    for b, r in zip(final, ref):
+        assert torch.equal(b, r)
+    # when backward reached block 0 in the last micro-batch, blocks 1-3 were copied already
+    # (params 2..7, in the params' order) and block 0's weight and bias were not (no buffer yet)
+    early = snapshots[-1]
+    assert len(snapshots) == k and len(early) == len(params)
+    for i in range(2, len(params)):
+        assert torch.equal(early[i], ref[i]), i
+    assert early[0].numel() == early[1].numel() == 0
 
 
 def test_offload_under_compile_runs_the_update_eagerly_and_does_not_recompile():
@@ -123,6 +207,31 @@ def test_on_cuda_the_state_is_pinned_on_the_host_and_the_step_is_unchanged():
         assert max_rel_error(a, b) < 1e-6
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (params there)")
+def test_on_cuda_gradients_are_copied_on_a_side_stream_into_pinned_buffers_reused_each_step():
+    model = tiny_gpt().cuda()
+    opt = ft.optim.adamw(1e-2, weight_decay=0.1)
+    state = ft.TrainState.create(ft.params_of(model), opt)
+    # donated: the new params are written into the pinned staging buffers and copied back from
+    # them asynchronously, and the next step copies the params into the same buffers
+    step = ft.accumulate(ft.train_step(lm_loss(model), opt, donate=True), 2)
+    offloaded = ft.offload(step, "optimizer+gradients")
+    want, got = state.clone(), state.clone()
+    for i in range(3):
+        cuda = {k: v.cuda() for k, v in lm_batch(8, seed=i, lengths=UNEVEN).items()}
+        want, _ = step(want, cuda)
+        got, _ = offloaded(got, cuda)
+        sink = _sink(offloaded)
+        if i == 0:
+            first = [b.data_ptr() for b in sink.buffers]
+    assert len(sink.buffers) == len(ft.tree.leaves(state.params))
+    assert all(b.is_pinned() and b.device.type == "cpu" for b in sink.buffers)
+    assert [b.data_ptr() for b in sink.buffers] == first  # allocated once, reused
+    assert list(sink.streams) == [torch.device("cuda", torch.cuda.current_device())]
+    for a, b in zip(ft.tree.leaves(got.params), ft.tree.leaves(want.params)):
+        assert max_rel_error(a, b) < 1e-6
+
+
 # -- each rank offloads its own shards ---------------------------------------------------------
 
 
@@ -131,11 +240,11 @@ def _sharded_runs() -> dict:
 
     rank = torch.distributed.get_rank()
     out = {}
-    for strategy in ("zero1", "zero2", "fsdp"):
+    for strategy, mode in (("zero1", "optimizer"), *((s, "optimizer+gradients") for s in SHARDS)):
         for off in (False, True):
             model = tiny_gpt(seq_len=8, n_head=2, bias=False)
             step = ft.train_step(lm_loss(model), _adamw(), donate=True)
-            step = ft.shard(ft.offload(step) if off else step, strategy)
+            step = ft.shard(ft.offload(step, mode) if off else step, strategy)
             state = ft.TrainState.create(ft.params_of(model), _adamw())
             state = shard_state(state, strategy)
             for i in range(2):
@@ -147,6 +256,7 @@ def _sharded_runs() -> dict:
                     p: t.clone() for p, t in zip(ft.tree.paths(whole), ft.tree.leaves(whole))
                 },
                 "sharded": any(hasattr(t, "placements") for t in ft.tree.leaves(state.opt_state)),
+                "sink": _sink(step) is not None,
             }
     return out
 
@@ -156,6 +266,8 @@ def test_under_shard_each_rank_offloads_its_own_shards():
     for strategy in ("zero1", "zero2", "fsdp"):
         plain, off = ranks[0][strategy, False], ranks[0][strategy, True]
         assert off["sharded"], strategy  # still laid out over the ranks
+        if strategy in SHARDS:  # the reduction changes them after backward: copied after it
+            assert not off["sink"], strategy
         assert plain["state"].keys() == off["state"].keys()
         for path, t in plain["state"].items():
             assert torch.equal(off["state"][path], t), (strategy, path)
@@ -170,5 +282,9 @@ def test_explain_lists_offload_at_the_gradients_hook_only_in_the_mode_that_acts_
 
     assert at_gradients(ft.offload(step)).split()[-1] == "-"
     assert at_gradients(ft.offload(step, "optimizer+gradients")).split()[-1] == "offload"
+    assert _sink(ft.offload(step)) is None
+    # an engine that replaces the default one drops the sink (the same gradients), either order
+    clipped = ft.dp_sgd(ft.offload(step, "optimizer+gradients"), 1.0, 0.0)
+    assert _sink(clipped) is None and _sink(ft.offload(ft.dp_sgd(step, 1.0, 0.0))) is None
     with pytest.raises(ValueError, match="offload_transform"):
         ft.transforms.Offload("optimizer+gradients")
