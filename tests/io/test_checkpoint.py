@@ -220,6 +220,12 @@ def test_like_reports_dtype_and_unexpected_keys(tmp_path, state_and_step):
     assert_states_identical(state, load(path, like=state))  # the matching state passes
 
 
+def test_a_pipelines_load_without_like_is_refused(tmp_path, state_and_step):
+    path = save(state_and_step[0], tmp_path / "ck")
+    with pytest.raises(ValueError, match=r"give like= too, the state pp.shard_state laid out"):
+        load(path, pipeline=object())
+
+
 # --- damage --------------------------------------------------------------------------------------
 
 
