@@ -116,7 +116,8 @@ class Pipeline(Transform):
             raise ValueError(
                 "pipeline.shard_state: expected the whole model's params (ft.params_of(model)); "
                 f"{'missing ' + str(missing) if missing else 'got other keys'}. Lay a state out "
-                "once, after creating or loading it whole (a pipeline's checkpoints are whole)."
+                "once, after creating or loading it whole; to resume, load a checkpoint onto "
+                "the laid-out state: ft.load(path, like=state, pipeline=pp)."
             )
         mine, keys = set(self.runner.keys), {k: i for i, k in enumerate(names)}
         return state.replace(
