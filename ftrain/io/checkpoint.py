@@ -8,8 +8,9 @@ A checkpoint is a directory::
         meta.json            # step, versions, creation time, the tree, sha256 per file, your extra
 
 A sharded state (``ft.shard``'s zero1/zero2/fsdp layouts) is saved sharded instead: each process
-writes only its own pieces, plus one index (:mod:`ftrain.io.sharded`); :func:`load` lays either
-kind onto any world size and layout.
+writes only its own pieces, plus one index (:mod:`ftrain.io.sharded`); so is a pipelined state
+(``ft.pipeline``'s stages, ``save(..., pipeline=pp)``). :func:`load` lays either kind onto any
+world size and layout.
 
 Guarantees:
 
@@ -360,11 +361,17 @@ def _check_like(path: Path, saved: dict, like: dict) -> None:
     if not diffs:
         return
     shown = diffs[:30] + ([f"... and {len(diffs) - 30} more"] if len(diffs) > 30 else [])
+    part = all(d.endswith("unexpected (in checkpoint, not in `like`)") for d in diffs)
     raise CheckpointError(
         f"{path} does not match `like` ({len(diffs)} difference(s)):\n  "
         + "\n  ".join(shown)
-        + "\nIt was saved from a different model, optimizer or transforms. Build `like` with the "
-        "same config, or call ft.load(path) without like= to inspect what it holds.",
+        + (
+            "\n`like` holds a part of it: if that is this process's pipeline stages "
+            "(pp.shard_state), load with ft.load(path, like=like, pipeline=pp)."
+            if part
+            else "\nIt was saved from a different model, optimizer or transforms. Build `like` "
+            "with the same config, or call ft.load(path) without like= to inspect what it holds."
+        ),
         differences=diffs,
     )
 
