@@ -123,6 +123,8 @@ def _run(mesh, config: str, schedule: str, *, n_layer: int = 4, shard: str | Non
         state, m = step(state, {k: v[me * per : (me + 1) * per] for k, v in b.items()})
         out.append(_metrics(m))
     held = ft.distributed.local_bytes(state)  # at rest: what this process keeps between steps
+    if save is not None:  # each rank writes its stages' pieces (a checkpoint of the whole)
+        ft.save(state, save, pipeline=pp)
     if shard is not None or mesh["tp"].size() > 1:
         state = ft.unshard_state(state)  # dp's and tp's pieces whole, then the stages
     return {
@@ -130,26 +132,52 @@ def _run(mesh, config: str, schedule: str, *, n_layer: int = 4, shard: str | Non
         "metrics": out,
         "keys": sorted(pp.keys),
         "bytes": held,
+        "path": save,
     }
 
 
 def _resumed(mesh, path: str) -> dict:
-    """2 steps, a checkpoint of the whole state, then a fresh pipeline loads it and takes the
-    3rd step: equal to 3 steps in one go."""
+    """2 steps, a checkpoint of the stages' pieces, then a fresh pipeline of another schedule
+    loads it onto its own stages and takes the 3rd step: equal to 3 steps in one go. Also a
+    whole checkpoint (rank 0's) of the same state, loaded onto the same stages."""
     model = tiny_gpt(n_layer=4)
     pp = ft.pipeline(model, mesh, schedule="1f1b", microbatches=MICRO)
     state = pp.shard_state(ft.TrainState.create(ft.params_of(model), adamw()))
     step = pp(ft.train_step(lm_loss(model), adamw()))
     for b in batches(2):
         state, _ = step(state, b)
+    ft.save(state, f"{path}-pp2", pipeline=pp)
     whole = pp.unshard_state(state)
     if torch.distributed.get_rank() == 0:
-        ft.save(whole, path)
+        ft.save(whole, f"{path}-whole")
     torch.distributed.barrier()
     again = ft.pipeline(model, mesh, schedule="interleaved-1f1b", microbatches=MICRO)
-    state = again.shard_state(ft.load(path, like=whole))
-    state, _ = again(ft.train_step(lm_loss(model), adamw()))(state, batches()[2])
-    return {"state": again.unshard_state(state)}
+    like = again.shard_state(ft.TrainState.create(ft.params_of(model), adamw()))
+    loaded = ft.load(f"{path}-pp2", like=like, pipeline=again)
+    from_whole = ft.load(f"{path}-whole", like=like, pipeline=again)
+    state, _ = again(ft.train_step(lm_loss(model), adamw()))(loaded, batches()[2])
+    return {"state": again.unshard_state(state), "saved": whole, "path": f"{path}-pp2",
+            "loaded": loaded, "laid out": again.shard_state(whole), "from whole": from_whole}  # fmt: skip
+
+
+def _loaded(path: str, mesh=None, *, schedule: str = "1f1b", shard: str | None = None) -> dict:
+    """The checkpoint at ``path`` (of the 4-layer model and ``adamw``) loaded onto this layout,
+    each rank reading its part, gathered whole again; on ``mesh`` None, plain data parallelism
+    over every process. With pp alone, also the whole state after one more step (the 4th)."""
+    model = tiny_gpt(n_layer=4)
+    fresh = ft.TrainState.create(ft.params_of(model), adamw())
+    if mesh is None:
+        return {"state": ft.unshard_state(ft.load(path, like=ft.shard_state(fresh, shard)))}
+    pp = ft.pipeline(model, mesh, schedule=schedule, microbatches=MICRO)
+    tp = ft.tensor_parallel(model, gpt_plan(), mesh) if mesh["tp"].size() > 1 else None
+    like = pp.shard_state(fresh if tp is None else tp.shard_state(fresh))
+    like = like if shard is None else ft.shard_state(like, shard, mesh=mesh["dp"])
+    state = ft.load(path, like=like, pipeline=pp)
+    out = {"state": pp.unshard_state(ft.unshard_state(state))}
+    if mesh.size() == mesh["pp"].size():
+        state, _ = pp(ft.train_step(lm_loss(model), adamw()))(state, batches(4)[3])
+        out["next"] = pp.unshard_state(state)
+    return out
 
 
 def _errors(mesh) -> dict[str, str]:
@@ -185,20 +213,28 @@ def on_two_ranks(tmp: str) -> dict:
     return out
 
 
-def on_four_ranks() -> dict:
+def on_four_ranks(tmp: str) -> dict:
+    """The runs below, each saving its stages' pieces to ``tmp/<name>``; then the dp 2 x pp 2
+    zero1 checkpoint loaded onto other layouts (``"onto ..."``)."""
     torch.set_num_threads(1)
     out = {}
-    mesh = ft.distributed.pipeline.pp_mesh(pp=4)
+    pp4 = ft.distributed.pipeline.pp_mesh(pp=4)
     for s in FOUR:
-        out[f"pp4 {s}"] = _run(mesh, "plain", s, n_layer=8)
+        out[f"pp4 {s}"] = _run(pp4, "plain", s, n_layer=8)
     mesh = ft.distributed.pipeline.pp_mesh(pp=2)  # dp 2 x pp 2
     for shard in ("ddp", "zero1", "zero2", "fsdp"):
-        out[f"dp2 pp2 {shard}"] = _run(mesh, "plain", "1f1b", shard=shard)
+        name = f"dp2 pp2 {shard}"
+        out[name] = _run(mesh, "plain", "1f1b", shard=shard, save=f"{tmp}/{name}")
     # fsdp under accumulate (2 pieces), checkpoint and bf16: 2 micro-batches of 1 row per piece,
     # the rows of the one-process run's 8 micro-batches
     out["dp2 pp2 fsdp composed"] = _run(mesh, "composed", "1f1b", shard="fsdp", microbatches=2)
-    mesh = ft.distributed.pipeline.pp_mesh(pp=2, tp=2)  # pp 2 x tp 2
-    out["pp2 tp2"] = _run(mesh, "plain", "interleaved-1f1b", shard="ddp")
+    tp2 = ft.distributed.pipeline.pp_mesh(pp=2, tp=2)  # pp 2 x tp 2
+    out["pp2 tp2"] = _run(tp2, "plain", "interleaved-1f1b", shard="ddp", save=f"{tmp}/pp2 tp2")
+    saved = f"{tmp}/dp2 pp2 zero1"
+    out["onto pp4"] = _loaded(saved, pp4)
+    out["onto dp2 pp2 zero2"] = _loaded(saved, mesh, schedule="interleaved-1f1b", shard="zero2")
+    out["onto pp2 tp2"] = _loaded(saved, tp2)
+    out["onto dp4 zero1"] = _loaded(saved, shard="zero1")
     return out
 
 

@@ -143,12 +143,13 @@ def pipeline_two_ranks(tmp_path_factory) -> list[dict]:
 
 
 @pytest.fixture(scope="session")
-def pipeline_four_ranks() -> list[dict]:
+def pipeline_four_ranks(tmp_path_factory) -> list[dict]:
     """What :func:`_pipeline_ranks.on_four_ranks` returned on each of 4 gloo processes: pp = 4,
-    and dp 2 x pp 2 under ft.shard."""
+    dp 2 x pp 2 under ft.shard and pp 2 x tp 2, each saving a checkpoint of its stages' pieces,
+    and one of them loaded onto other layouts."""
     from _pipeline_ranks import on_four_ranks
 
-    return run_distributed(on_four_ranks, 4, timeout=400)
+    return run_distributed(on_four_ranks, 4, str(tmp_path_factory.mktemp("pipeline4")), timeout=400)
 
 
 @pytest.fixture(scope="session")

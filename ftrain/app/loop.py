@@ -98,12 +98,9 @@ def _train(cfg: TrainConfig, rank: int, world: int, sinks: Sequence[Sink]) -> di
     state = recipe.state
     tp = next((t for t in recipe.step.transforms if isinstance(t, TensorParallel)), None)
     born = any(is_dtensor(t) for t in ft.tree.leaves(state.params))  # gpt.born_sharded (LoRA: base)
-    if pipe is not None:  # a pipeline's checkpoints are whole: restored whole, then laid out
-        state, start = _restore(run, state)
     if not born:  # whole tensors -> this process's pieces (tp's, the stages, over dp)
         state = lay_out(cfg, state, tp, pipe)
-    if pipe is None:
-        state, start = _restore(run, state)  # each process reads only what it keeps
+    state, start = _restore(run, state)  # each process reads only what it keeps
     log = run_folder.MetricsLog(out / "metrics.jsonl", start) if main else None
     if main:
         run_folder.write_config(out, cfg)
@@ -191,7 +188,7 @@ def _restore(run: _Run, state: ft.TrainState) -> tuple[ft.TrainState, int]:
     """``state`` (the recipe's at step 0, laid out for this process), or on ``--resume`` the
     newest valid checkpoint's laid out the same way (after checking that it continues this run),
     with the data position restored; and its step. The checkpoint may come from any number of
-    processes and any ``--shard`` strategy."""
+    processes, any ``--shard`` strategy and any ``--pp``."""
     cfg = run.cfg
     if not cfg.resume:
         return state, 0
@@ -204,7 +201,8 @@ def _restore(run: _Run, state: ft.TrainState) -> tuple[ft.TrainState, int]:
         return state, 0
     meta = ft.load_meta(latest)
     like, base = finetune.checkpoint_like(state, meta)  # a LoRA checkpoint holds no frozen base
-    state = resume.load_checked(latest, meta, cfg, like, data_parallel(cfg, run.world), run.main)
+    dp = data_parallel(cfg, run.world)
+    state = resume.load_checked(latest, meta, cfg, like, dp, run.main, pipeline=run.pipe)
     state = join_base(state, base)
     run.recipe.loader.load_state_dict(meta["extra"]["loader"])  # global: the same on every rank
     start = int(state.step)
@@ -361,19 +359,19 @@ def _deferred_interrupt() -> Iterator[dict[str, bool]]:
 # -- saving and the end of a run ----------------------------------------------------------------
 def _save(run: _Run, state: ft.TrainState, saver: ft.Saver) -> None:
     """A checkpoint in the run folder, written in the background (the next save and the end of
-    the run wait for it): the state as laid out (a sharded one is written by every process, each
-    its own pieces; a whole one by rank 0), the resolved settings and the global data position."""
+    the run wait for it): the state as laid out (a sharded or pipelined one is written by every
+    process, each its own pieces; a whole one by rank 0), the resolved settings and the global
+    data position."""
     cfg = run.cfg
     extra = {
         "config": cfg.to_dict(),
         "loader": run.recipe.loader.state_dict(),
         "world_size": run.world,
     }
-    if run.pipe is not None:  # whole, written by rank 0 (any pipeline or none resumes it)
-        state = whole_state(run.pipe, state)
-    if run.main or is_sharded(state):
+    if run.main or is_sharded(state) or run.pipe is not None:
         # a LoRA run's checkpoint: the adapters and optimizer state, not the frozen base
-        saver.save_checkpoint(run.out, split_base(state)[0], keep=cfg.keep, extra=extra)
+        state = split_base(state)[0]
+        saver.save_checkpoint(run.out, state, keep=cfg.keep, extra=extra, pipeline=run.pipe)
 
 
 def _finish(run: _Run, state: ft.TrainState, report: _Report, interrupted: bool) -> dict[str, Any]:

@@ -42,12 +42,19 @@ __all__ = [
 
 
 def load_checked(
-    latest: Path, meta: dict, cfg: TrainConfig, like: ft.TrainState, world: int, main: bool
+    latest: Path,
+    meta: dict,
+    cfg: TrainConfig,
+    like: ft.TrainState,
+    world: int,
+    main: bool,
+    pipeline: Any = None,
 ) -> ft.TrainState:
-    """The state of the checkpoint ``latest`` (whose metadata is ``meta``) laid out as ``like``,
-    once it is known to continue the run ``cfg`` on ``world`` processes; with ``cfg.lr`` as its
-    peak learning rate. Raises ``SystemExit`` naming what differs and the flag that fixes it;
-    notes (on the main process) go to stderr."""
+    """The state of the checkpoint ``latest`` (whose metadata is ``meta``) laid out as ``like``
+    (this process's stages of ``pipeline``, under ``--pp``: a collective), once it is known to
+    continue the run ``cfg`` on ``world`` processes; with ``cfg.lr`` as its peak learning rate.
+    Raises ``SystemExit`` naming what differs and the flag that fixes it; notes (on the main
+    process) go to stderr."""
     if len(meta["extra"].get("loaders", [])) > 1:  # per-process positions: an older ftrain's
         raise SystemExit(
             f"ftrain train: --resume: {latest} holds one data position per process, from an "
@@ -57,7 +64,7 @@ def load_checked(
     saved = run_folder.saved_config(meta)
     check_global_batch(cfg, saved, meta, world)
     check_resumed_config(cfg, saved, main)
-    state = _load_state(latest, meta, like, saved)
+    state = _load_state(latest, meta, like, saved, pipeline)
     if "lr" in saved and saved["lr"] != cfg.lr:
         state = gpt.set_peak_lr(state, cfg.lr)
         if main:
@@ -70,13 +77,16 @@ def load_checked(
     return state
 
 
-def _load_state(latest: Path, meta: dict, like: ft.TrainState, saved: dict) -> ft.TrainState:
+def _load_state(
+    latest: Path, meta: dict, like: ft.TrainState, saved: dict, pipeline: Any
+) -> ft.TrainState:
     """The checkpoint's state. A checkpoint written before the recipe injected its peak learning
     rate holds the optimizer's state without the ``inject_hyperparams`` layer: it is loaded as
     that inner state and wrapped, with the peak it was trained with."""
     if "hyperparams" in meta["tree"]["opt_state"]:
-        return ft.load(latest, like=like)
-    inner = ft.load(latest, like=like.replace(opt_state=like.opt_state["inner_state"]))
+        return ft.load(latest, like=like, pipeline=pipeline)
+    inner_like = like.replace(opt_state=like.opt_state["inner_state"])
+    inner = ft.load(latest, like=inner_like, pipeline=pipeline)
     opt_state = like.opt_state.clone()
     opt_state["count"] = inner.step.clone()  # the updates applied so far
     opt_state["hyperparams", "learning_rate"].fill_(saved.get("lr", 0.0))

@@ -8,8 +8,9 @@ A checkpoint is a directory::
         meta.json            # step, versions, creation time, the tree, sha256 per file, your extra
 
 A sharded state (``ft.shard``'s zero1/zero2/fsdp layouts) is saved sharded instead: each process
-writes only its own pieces, plus one index (:mod:`ftrain.io.sharded`); :func:`load` lays either
-kind onto any world size and layout.
+writes only its own pieces, plus one index (:mod:`ftrain.io.sharded`); so is a pipelined state
+(``ft.pipeline``'s stages, ``save(..., pipeline=pp)``). :func:`load` lays either kind onto any
+world size and layout.
 
 Guarantees:
 
@@ -98,6 +99,7 @@ def save(
     *,
     extra: Mapping | None = None,
     blocking: bool = True,
+    pipeline: Any = None,
 ) -> Path | SaveHandle:
     """Write ``state`` to the checkpoint directory ``path``, atomically. Returns ``Path(path)``,
     or with ``blocking=False`` a :class:`~ftrain.io.background.SaveHandle` whose ``wait()``
@@ -126,6 +128,13 @@ def save(
             it for you); an error of the write is raised by ``wait()``. The interpreter's exit
             waits for the thread. A sharded background save runs its collectives on a process
             group of its own (made here: every process calls ``save``).
+        pipeline: the ``ft.pipeline`` transform whose ``shard_state`` laid ``state`` out (under
+            ``ft.shard`` over dp and tensor parallelism too). Every process calls ``save`` with
+            the same ``path``, and each writes only the pieces it holds: a tensor that several
+            hold (a replica over dp, the tied embedding on the first and last stage, ``step``)
+            is written once. The checkpoint is of the whole state: its tree and index cover
+            every stage, so ``load(path)`` on one process gives the whole state (bitwise what
+            ``pp.unshard_state`` gathers), and it loads onto any other layout.
 
     Atomicity: everything is written to ``<path>.tmp-<token>``, fsynced (files and directory), then
     renamed to ``path``. An existing ``path`` is first renamed to ``<path>.old-<token>`` and deleted
@@ -141,7 +150,7 @@ def save(
         raise TypeError(
             f"ft.save(state, path): state must be an ft.TrainState, got {type(state).__name__}."
         )
-    snap = snapshot(state, extra, copy=not blocking)
+    snap = snapshot(state, extra, copy=not blocking, pipeline=pipeline)
     path = Path(path)
     if blocking:
         return snap.write(path)
@@ -180,12 +189,15 @@ class Snapshot:
         return torch.distributed.new_group(backend="gloo")
 
 
-def snapshot(state: TrainState, extra: Mapping | None = None, *, copy: bool = False) -> Snapshot:
+def snapshot(
+    state: TrainState, extra: Mapping | None = None, *, copy: bool = False, pipeline: Any = None
+) -> Snapshot:
     """What :func:`save` writes of ``state``: checked (names anything a checkpoint cannot hold),
-    with the tensors as host views, or with ``copy`` private host copies."""
+    with the tensors as host views, or with ``copy`` private host copies. With ``pipeline``, a
+    collective (see :func:`save`)."""
     meta_extra = checked_json(extra)
-    if sharded.is_sharded(state):
-        p = sharded.plan(state)
+    if pipeline is not None or sharded.is_sharded(state):
+        p = sharded.plan(state, pipeline)
         return Snapshot(None, p.host_copy() if copy else p, meta_extra)
     if copy:  # private host copies, pinned for CUDA tensors
         tree = tree_of(state)
@@ -238,6 +250,7 @@ def load(
     like: TrainState | None = None,
     *,
     device: str | torch.device | None = None,
+    pipeline: Any = None,
 ) -> TrainState:
     """The :class:`~ftrain.TrainState` saved at ``path``, verified.
 
@@ -258,21 +271,34 @@ def load(
             saved tensor that this process holds. So a checkpoint saved whole or sharded, by any
             number of processes under any strategy, loads onto any other (every process calls
             ``load``; each reads only what it keeps, no collective).
+        pipeline: the ``ft.pipeline`` transform whose ``shard_state`` laid ``like`` out (this
+            process's stages; under ``ft.shard`` and tensor parallelism too). ``like`` is then
+            checked as the whole state its processes' parts make up, and only its own tensors
+            are read (its DTensors' parts only), in its layout: bitwise ``pp.shard_state`` of
+            the whole state loaded. A collective (every process calls ``load``: they exchange
+            their trees, no tensor values). Any checkpoint loads so: whole, sharded, or one a
+            pipeline of another size, schedule or layout saved.
         device: where to put ``params``, ``opt_state`` and ``extra`` (overrides ``like``'s
             devices). ``step`` and ``rng`` always stay on the CPU. Default: the CPU, or ``like``'s
             devices.
     """
     path = _resolve(Path(path))
     meta = read_meta(path)
+    if pipeline is not None and like is None:
+        raise ValueError(
+            "ft.load(path, pipeline=pp): give like= too, the state pp.shard_state laid out for "
+            "this process (its stages are what it reads)."
+        )
     if like is not None:
         if not isinstance(like, TrainState):
             raise TypeError(
                 f"ft.load(path, like=...): like must be an ft.TrainState, got "
                 f"{type(like).__name__}."
             )
-        _check_like(path, meta["tree"], tree_of(like))
-    if "index" in meta or (like is not None and sharded.is_sharded(like)):
-        return reshard.read(path, meta, like, device)
+        whole = tree_of(like) if pipeline is None else sharded.whole_tree(like, pipeline)
+        _check_like(path, meta["tree"], whole)
+    if "index" in meta or pipeline is not None or (like is not None and sharded.is_sharded(like)):
+        return reshard.read(path, meta, like, device, part=pipeline is not None)
     files = {}
     for name in (PARAMS_FILE, STATE_FILE):
         verify_file(path, name, meta["files"][name])
@@ -335,11 +361,17 @@ def _check_like(path: Path, saved: dict, like: dict) -> None:
     if not diffs:
         return
     shown = diffs[:30] + ([f"... and {len(diffs) - 30} more"] if len(diffs) > 30 else [])
+    part = all(d.endswith("unexpected (in checkpoint, not in `like`)") for d in diffs)
     raise CheckpointError(
         f"{path} does not match `like` ({len(diffs)} difference(s)):\n  "
         + "\n  ".join(shown)
-        + "\nIt was saved from a different model, optimizer or transforms. Build `like` with the "
-        "same config, or call ft.load(path) without like= to inspect what it holds.",
+        + (
+            "\n`like` holds a part of it: if that is this process's pipeline stages "
+            "(pp.shard_state), load with ft.load(path, like=like, pipeline=pp)."
+            if part
+            else "\nIt was saved from a different model, optimizer or transforms. Build `like` "
+            "with the same config, or call ft.load(path) without like= to inspect what it holds."
+        ),
         differences=diffs,
     )
 

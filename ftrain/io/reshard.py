@@ -24,11 +24,11 @@ from ftrain.distributed.dtensor import from_local, is_dtensor, local
 from ftrain.io import tensorfile
 from ftrain.io.meta import META_FILE, verify_file
 from ftrain.io.sharded import boxes_of, leaves
-from ftrain.io.state_files import FIELDS, PARAMS_FILE, STATE_FILE, CheckpointError
+from ftrain.io.state_files import FIELDS, PARAMS_FILE, STATE_FILE, CheckpointError, tree_of
 from ftrain.state import TrainState
 from ftrain.tree import SEP
 
-__all__ = ["Reader", "dtype_shape", "index_of", "nbytes", "read"]
+__all__ = ["Reader", "dtype_shape", "index_of", "nbytes", "read", "within"]
 
 
 def index_of(meta: dict) -> dict[str, dict]:
@@ -151,13 +151,17 @@ class Reader:
         return out
 
 
-def read(path: Path, meta: dict, like: TrainState | None, device=None) -> TrainState:
+def read(
+    path: Path, meta: dict, like: TrainState | None, device=None, part: bool = False
+) -> TrainState:
     """The state saved at ``path`` (whole or sharded), laid out as ``like``: each tensor whose
     ``like`` is a DTensor is built from the part this process holds of it (same mesh and
     placements), every other one whole. ``like`` must have been checked against the tree. Tensors
     go to ``device``, else to ``like``'s (its local shard's) device, else the CPU; ``step`` and
-    ``rng`` stay on the CPU."""
+    ``rng`` stay on the CPU. With ``part``, ``like`` holds a part of the saved state (a pipeline
+    stage's): only its tensors are read, in the saved order (:func:`within`)."""
     targets = dict(leaves(like)) if like is not None else {}
+    tree = within(meta["tree"], tree_of(like)) if part else meta["tree"]
     with contextlib.ExitStack() as stack:
         reader = Reader(path, meta, stack)
 
@@ -178,9 +182,19 @@ def read(path: Path, meta: dict, like: TrainState | None, device=None) -> TrainS
 
         fields: dict[str, Any] = {}
         for field in FIELDS:
-            node = meta["tree"][field]
+            node = tree[field]
             fields[field] = make(field) if isinstance(node, str) else _build(node, (field,), make)
     return TrainState(**fields, batch_size=[])
+
+
+def within(saved: dict, mine: dict) -> dict:
+    """The checkpoint tree ``saved`` cut down to the entries that the tree ``mine`` (of a part of
+    the state) has, in ``saved``'s order."""
+    return {
+        k: within(v, mine[k]) if isinstance(v, dict) and v else v
+        for k, v in saved.items()
+        if k in mine
+    }
 
 
 def _build(node: dict, prefix: tuple[str, ...], make) -> TensorDict:

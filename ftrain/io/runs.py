@@ -46,6 +46,7 @@ def save_checkpoint(
     keep: int | None = 3,
     extra: Mapping | None = None,
     group: Any = None,
+    pipeline: Any = None,
 ) -> Path:
     """Save ``state`` to ``run_dir/checkpoint-<step>/`` and keep the newest ``keep`` checkpoints.
 
@@ -56,7 +57,8 @@ def save_checkpoint(
     always kept. ``keep=None`` keeps all. Returns the path written.
 
     A sharded state (or ``Snapshot`` of one, as ``ft.Saver`` passes) is saved by every process
-    of ``group`` (default: all) together, and rank 0 alone tidies and prunes the run folder.
+    of ``group`` (default: all) together, and rank 0 alone tidies and prunes the run folder;
+    so is a pipelined one, given its ``pipeline`` (see :func:`~ftrain.io.checkpoint.save`).
     """
     if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
         raise ValueError(
@@ -68,7 +70,7 @@ def save_checkpoint(
             "extra to ftrain.io.checkpoint.snapshot(state, extra) instead."
         )
     run_dir = Path(run_dir)
-    snap = state if isinstance(state, Snapshot) else snapshot(state, extra)
+    snap = state if isinstance(state, Snapshot) else snapshot(state, extra, pipeline=pipeline)
     main = snap.plan is None or dist.get_rank(group) == 0
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)

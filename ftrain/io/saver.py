@@ -54,11 +54,16 @@ class Saver:
         *,
         extra: Mapping | None = None,
         blocking: bool = False,
+        pipeline: Any = None,
     ) -> SaveHandle:
-        """``ft.save(state, path, extra=extra)`` in the background (or now with ``blocking``),
-        after the previous save of this saver has ended. Returns its handle."""
+        """``ft.save(state, path, extra=extra, pipeline=pipeline)`` in the background (or now with
+        ``blocking``), after the previous save of this saver has ended. Returns its handle."""
         path = Path(path)
-        return self._start(state, extra, blocking, lambda snap, g: snap.write(path, g), path)
+
+        def write(snap, group):
+            return snap.write(path, group)
+
+        return self._start(state, extra, blocking, write, path, pipeline)
 
     def save_checkpoint(
         self,
@@ -68,18 +73,20 @@ class Saver:
         keep: int | None = 3,
         extra: Mapping | None = None,
         blocking: bool = False,
+        pipeline: Any = None,
     ) -> SaveHandle:
-        """``ft.save_checkpoint(run_dir, state, keep=keep, extra=extra)`` in the background (or
-        now with ``blocking``), after the previous save of this saver has ended."""
+        """``ft.save_checkpoint(run_dir, state, keep=keep, extra=extra, pipeline=pipeline)`` in
+        the background (or now with ``blocking``), after the previous save of this saver has
+        ended."""
 
         def write(snap, group):
             return save_checkpoint(run_dir, snap, keep=keep, group=group)
 
-        return self._start(state, extra, blocking, write, Path(run_dir))
+        return self._start(state, extra, blocking, write, Path(run_dir), pipeline)
 
-    def _start(self, state, extra, blocking, write, where: Path) -> SaveHandle:
+    def _start(self, state, extra, blocking, write, where: Path, pipeline) -> SaveHandle:
         self.wait()
-        snap = snapshot(state, extra, copy=not blocking)
+        snap = snapshot(state, extra, copy=not blocking, pipeline=pipeline)
         if snap.plan is not None and self._group is None:
             self._group = snap.new_group()
         group = self._group if snap.plan is not None else None

@@ -23,7 +23,9 @@ tensor whose local piece is several boxes (tensor parallelism's fused ``qkv``: t
 slice of each of q, k and v) is stored as one tensor per box, keyed ``"<key>#<block>"``; a
 reader needs nothing new, since every piece is still a box.
 A tensor held whole by every process (``step``, ``rng``, ddp's params) is one piece, written by
-rank 0. ``meta.json`` records each file's sha256, and is written last: the directory is committed
+rank 0. In a pipelined state the processes hold different tensors (their stages'): they exchange
+what they hold before writing, the tree and index are the whole state's, and a piece several
+hold is written by the lowest rank holding it (:func:`plan` with ``pipeline``). ``meta.json`` records each file's sha256, and is written last: the directory is committed
 (:func:`ftrain.io.atomic.commit_dir`) by rank 0 once every rank has written its file.
 
 Loading (``ftrain.io.reshard``) reads, for every tensor, only the part of each piece that this
@@ -57,7 +59,18 @@ from ftrain.io.state_files import FIELDS, CheckpointError, tree_of
 from ftrain.state import TrainState
 from ftrain.tree import SEP
 
-__all__ = ["Plan", "box_of", "boxes_of", "host_copies", "is_sharded", "leaves", "plan", "write"]
+__all__ = [
+    "Plan",
+    "box_of",
+    "boxes_of",
+    "gathered",
+    "host_copies",
+    "is_sharded",
+    "leaves",
+    "plan",
+    "whole_tree",
+    "write",
+]
 
 SHARDED_VERSION = 2
 
@@ -196,10 +209,17 @@ def host_copies(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def plan(state: TrainState) -> Plan:
+def plan(state: TrainState, pipeline: Any = None, group=None) -> Plan:
     """The :class:`Plan` of ``state`` for this process. Its pieces are views of the state's local
     tensors (no copy, on their device): :func:`write` copies an accelerator's pieces to the host
-    one at a time, :meth:`Plan.host_copy` all at once (into pinned memory)."""
+    one at a time, :meth:`Plan.host_copy` all at once (into pinned memory).
+
+    With ``pipeline`` (the ``ft.pipeline`` that laid ``state`` out), a collective over ``group``
+    (default: all processes): they hold different tensors (their stages'), so they exchange what
+    they hold (trees and boxes, no tensor values). The plan's tree is then the whole state's
+    (``pipeline.whole_tree``), its index every tensor of it, and a box that several processes
+    hold (a replica over dp or tp, the tied embedding on two stages, ``step``) is written once,
+    by the lowest rank holding it."""
     tree = tree_of(state)  # refuses what a checkpoint cannot hold, naming it
     tensors, mine, boxes = {}, {}, {}
     for key, t in leaves(state):
@@ -211,7 +231,7 @@ def plan(state: TrainState) -> Plan:
             "placements": placements,
         }
         found, dim, first = boxes_of(t)
-        if not first:
+        if not first and pipeline is None:
             continue
         piece = (local(t) if is_dtensor(t) else t).detach()
         if dim is None:
@@ -223,7 +243,65 @@ def plan(state: TrainState) -> Plan:
         for c, (part, (offsets, sizes)) in enumerate(zip(parts, found)):
             mine[f"{key}#{c}"] = part
             boxes[f"{key}#{c}"] = [offsets, sizes, key]
-    return Plan(tree, tensors, mine, boxes, int(state.step.max()))
+    p = Plan(tree, tensors, mine, boxes, int(state.step.max()))
+    return p if pipeline is None else _of_the_whole(p, pipeline, group)
+
+
+def gathered(value: Any, group=None) -> list:
+    """``value`` from every process of ``group`` (default: all), in rank order (a collective)."""
+    group = group or dist.group.WORLD
+    out: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, value, group=group)
+    return out
+
+
+def whole_tree(state: TrainState, pipeline: Any, group=None) -> dict:
+    """The tree of the whole state that the processes' parts ``state`` make up (each its
+    ``pipeline``'s stages): ``pipeline.whole_tree`` of every process's tree (a collective)."""
+    return pipeline.whole_tree(gathered(tree_of(state), group))
+
+
+def _of_the_whole(p: Plan, pipeline: Any, group) -> Plan:
+    """``p`` of one process's part, made the whole state's plan (see :func:`plan`)."""
+    everyone = gathered((p.tree, p.tensors, p.boxes), group)
+    tree = pipeline.whole_tree([t for t, _, _ in everyone])
+    tensors: dict[str, dict] = {}
+    writer: dict[tuple, int] = {}
+    for r, (_, listed, boxes) in enumerate(everyone):
+        for key, info in listed.items():
+            had = tensors.setdefault(key, info)
+            if (had["dtype"], had["shape"]) != (info["dtype"], info["shape"]):
+                raise CheckpointError(
+                    f"ft.save: {key!r} is {had['dtype']}{had['shape']} on one process and "
+                    f"{info['dtype']}{info['shape']} on rank {r}; the processes' states are "
+                    "not parts of one state."
+                )
+        for stored, box in boxes.items():
+            writer.setdefault(_box_id(stored, box), r)
+    order = [key for key, _ in _tree_leaves(tree)]
+    if sorted(order) != sorted(tensors):
+        odd = sorted(set(order) ^ set(tensors))[:3]
+        raise CheckpointError(
+            f"ft.save(..., pipeline=...): the processes' tensors are not the whole state's "
+            f"(e.g. {odd}); save the state that pipeline.shard_state laid out."
+        )
+    me = dist.get_rank(group or dist.group.WORLD)
+    keep = [stored for stored, box in p.boxes.items() if writer[_box_id(stored, box)] == me]
+    return Plan(tree, {k: tensors[k] for k in order}, {s: p.mine[s] for s in keep},
+                {s: p.boxes[s] for s in keep}, p.step)  # fmt: skip
+
+
+def _box_id(stored: str, box: list) -> tuple[str, str, str]:
+    """Which tensor a stored piece (``Plan.boxes``' entry) is of, and where in it."""
+    offsets, sizes, *tensor = box
+    return tensor[0] if tensor else stored, str(offsets), str(sizes)
+
+
+def _tree_leaves(node: Any, path: tuple[str, ...] = ()) -> list[tuple[str, str]]:
+    """``(dotted path, "dtype[shape]")`` of every tensor of a checkpoint tree, in order."""
+    if not isinstance(node, dict):
+        return [(SEP.join(path), node)]
+    return [x for k, v in node.items() for x in _tree_leaves(v, (*path, k))]
 
 
 def _file_name(rank: int, world: int) -> str:
@@ -296,7 +374,13 @@ def _meta(p: Plan, extra: dict, files: dict, boxes: list[dict], world: int) -> d
     for r, mine in enumerate(boxes):
         for key, (offsets, sizes, *tensor) in mine.items():
             piece = {"file": _file_name(r, world), "key": key, "offsets": offsets, "shape": sizes}
-            index[tensor[0] if tensor else key]["pieces"].append(piece)
+            name = tensor[0] if tensor else key
+            if name not in index:  # e.g. a pipelined state saved without pipeline=
+                raise CheckpointError(
+                    f"ft.save: rank {r} holds {name!r}, which rank 0 does not: the processes "
+                    "hold different tensors. A pipelined state: ft.save(state, path, pipeline=pp)."
+                )
+            index[name]["pieces"].append(piece)
     for key, entry in index.items():  # the pieces of every tensor fill it exactly once
         if sum(math.prod(q["shape"]) for q in entry["pieces"]) != math.prod(entry["shape"]):
             raise CheckpointError(f"ft.save: the pieces of {key!r} do not cover it once.")

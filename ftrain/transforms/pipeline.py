@@ -54,7 +54,7 @@ from ftrain.distributed.pipeline.cut import (
     family_of,
     stage_ranks,
 )
-from ftrain.distributed.pipeline.layout import gather_stages, keep_stages
+from ftrain.distributed.pipeline.layout import gather_stages, keep_stages, whole_tree
 from ftrain.distributed.pipeline.runner import (
     SCHEDULES,
     SINGLE_STAGE,
@@ -122,7 +122,8 @@ class Pipeline(Transform):
             raise ValueError(
                 "pipeline.shard_state: expected the whole model's params (ft.params_of(model)); "
                 f"{'missing ' + str(missing) if missing else 'got other keys'}. Lay a state out "
-                "once, after creating or loading it whole (a pipeline's checkpoints are whole)."
+                "once, after creating or loading it whole; to resume, load a checkpoint onto "
+                "the laid-out state: ft.load(path, like=state, pipeline=pp)."
             )
         mine, keys = set(self.runner.keys), {k: i for i, k in enumerate(names)}
         return state.replace(
@@ -144,6 +145,14 @@ class Pipeline(Transform):
                 for f in ("params", "opt_state", "extra")
             }
         )
+
+    def whole_tree(self, trees: Sequence[dict]) -> dict:
+        """The checkpoint tree (``ftrain.io``'s) of the whole state, in its order, from the
+        trees of the parts that :meth:`shard_state` left on any processes (replicas included):
+        what ``ft.save(state, path, pipeline=pp)`` indexes and ``ft.load(path, like=state,
+        pipeline=pp)`` checks ``like`` against. Pure (the caller gathers the trees)."""
+        keys = {k: i for i, (k, _) in enumerate(self.model.named_parameters())}
+        return whole_tree(trees, keys)
 
     # -- hooks ----------------------------------------------------------------------------------
     def capabilities(self) -> Mapping[str, str]:

@@ -317,12 +317,17 @@ def test_tp_run_equals_one_process_and_resumes_on_one(tmp_path, tiny_run):
 
 def test_pp_run_equals_one_process_and_resumes_on_one(tmp_path, tiny_run):
     """`ftrain train --pp 2` on 2 processes (one block each, the same rows on both, 1F1B) logs
-    the 1-process run's losses (to 1e-5), evaluating and saving whole checkpoints on the way; its
-    step-3 checkpoint (a GPipe run), resumed on 1 process, continues the same run."""
+    the 1-process run's losses (to 1e-5), evaluating and saving checkpoints on the way, each
+    process writing its own stage's pieces; its step-3 checkpoint (a GPipe run), resumed on 1
+    process, continues the same run."""
     common = [*tiny_run, "--decay-steps", "6", "--save-every", "3", "--eval-every", "3"]
     assert_two_processes_equal_one_and_resume_on_one(
         tmp_path, common, full=["--pp", "2"], part=["--pp", "2", "--pp-schedule", "gpipe"]
     )
+    meta = ft.load_meta(tmp_path / "full" / "checkpoint-6")
+    assert meta["format_version"] == 2 and len(meta["files"]) == 2
+    pieces = meta["index"]["params.blocks.1.attn.qkv.weight"]["pieces"]
+    assert [p["file"] for p in pieces] == ["rank-00001-of-00002.safetensors"]  # the last stage's
 
 
 def assert_two_processes_equal_one_and_resume_on_one(tmp_path, common, *, full, part):

@@ -1,6 +1,7 @@
 """docs/pipeline-parallel.md: its ```python block runs (one 2-process spawn: pp = 2, 1F1B, the
 state put back together equal to one process); the ```py blocks show layouts that
-tests/transforms/test_pipeline.py runs (dp x pp on 4 processes, a checkpoint resumed)."""
+tests/transforms/test_pipeline.py runs (dp x pp on 4 processes, checkpoints loaded onto other
+layouts)."""
 
 import re
 from pathlib import Path

@@ -220,6 +220,25 @@ def test_like_reports_dtype_and_unexpected_keys(tmp_path, state_and_step):
     assert_states_identical(state, load(path, like=state))  # the matching state passes
 
 
+def test_a_pipelines_load_without_like_is_refused(tmp_path, state_and_step):
+    path = save(state_and_step[0], tmp_path / "ck")
+    with pytest.raises(ValueError, match=r"give like= too, the state pp.shard_state laid out"):
+        load(path, pipeline=object())
+
+
+def test_a_like_holding_part_of_the_checkpoint_is_told_of_pipeline(tmp_path, state_and_step):
+    """A like missing only some of the saved tensors (a pipeline stage's, laid out) is refused
+    with the load that reads a part; one that differs otherwise with the usual advice."""
+    state, _ = state_and_step
+    path = save(state, tmp_path / "ck")
+    part = state.replace(params=state.params.exclude("wte"))
+    with pytest.raises(CheckpointError, match=r"like=like, pipeline=pp\)"):
+        load(path, like=part)
+    with pytest.raises(CheckpointError, match="saved from a different model") as e:
+        load(path, like=state.replace(params=state.params.exclude("wte").set("new", torch.ones(1))))
+    assert "pipeline=pp" not in str(e.value)
+
+
 # --- damage --------------------------------------------------------------------------------------
 
 

@@ -13,6 +13,7 @@ import pytest
 import ftrain as ft
 import ftrain.io
 from ftrain.io import meta as io_meta
+from ftrain.io.reshard import within
 
 from _tiny import tiny_gpt
 
@@ -93,3 +94,18 @@ def test_a_layout_split_along_another_dimension_loads_either_way(sharded_checkpo
         got = found[rank]["columns"]
         assert got["placements"] == [["shard", 1]] and got["offsets"] == [[0, 0], [0, 16]]
         assert got["same layout"] and got["differs"] == [] and got["differs as rows"] == []
+
+
+def test_a_parts_tree_is_cut_from_the_saved_one_in_its_order():
+    """``within``: the saved tree's entries that a part (a pipeline stage's ``like``) has, in the
+    saved order whatever the part's, empty TensorDicts kept."""
+    saved = {"params": {"a": "f32[1]", "b": "f32[2]", "c": "f32[3]"},
+             "opt_state": {"0": {}, "1": {"mu": {"a": "f32[1]", "b": "f32[2]", "c": "f32[3]"}}},
+             "step": "int64[]"}  # fmt: skip
+    part = {"step": "int64[]", "params": {"c": "f32[3]", "a": "f32[1]"},
+            "opt_state": {"1": {"mu": {"c": "f32[3]"}}, "0": {}}}  # fmt: skip
+    got = within(saved, part)
+    assert json.dumps(got) == json.dumps(
+        {"params": {"a": "f32[1]", "c": "f32[3]"},
+         "opt_state": {"0": {}, "1": {"mu": {"c": "f32[3]"}}}, "step": "int64[]"}
+    )  # fmt: skip

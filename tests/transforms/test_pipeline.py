@@ -1,19 +1,27 @@
 """ft.pipeline: pp ranks (and dp x pp ranks under ft.shard) equal one process holding the model.
 
-The ranks run in two session fixtures (``_pipeline_ranks.py``): 2 processes (pp = 2: every
-schedule, donation, an untied head, accumulate + checkpoint + bf16, fp16, a checkpoint resumed on
-another schedule, the errors) and 4 (pp = 4, dp 2 x pp 2 with ddp, zero1, zero2 and fsdp). Each returns
-the whole state (``pp.unshard_state``) and each step's metrics, compared here with one process.
+The ranks run in session fixtures (``_pipeline_ranks.py``): 2 processes (pp = 2: every
+schedule, donation, an untied head, accumulate + checkpoint + bf16, fp16, a checkpoint of the
+stages' pieces resumed on another schedule, the errors) and 4 (pp = 4, dp 2 x pp 2 with ddp,
+zero1, zero2 and fsdp, pp 2 x tp 2, each saving its stages' pieces; one such checkpoint loaded
+onto pp 4, dp 2 x pp 2, pp 2 x tp 2 and plain dp). Each returns the whole state
+(``pp.unshard_state``) and each step's metrics, compared here with one process; the checkpoints
+are loaded here on one process.
 """
 
 from __future__ import annotations
 
+import json
+
 import pytest
+import safetensors.torch
 import torch
 
 import ftrain as ft
 from ftrain.distributed.pipeline.cut import cut, even_split, family_of, stage_module
 from ftrain.distributed.pipeline.runner import refusal
+from ftrain.io.sharded import leaves
+from ftrain.io.state_files import tree_of
 from tests._pipeline_ranks import ALL, CONFIGS, FOUR, FP16, SCHEDULES, reference
 from tests._tiny import assert_trees_close, lm_batch, max_tree_diff, tiny_gpt
 
@@ -80,6 +88,44 @@ def test_a_checkpoint_resumes_on_another_schedule(pipeline_two_ranks):
         assert_trees_close(r["resumed"]["state"], want, TOL)
 
 
+def assert_bitwise(got: ft.TrainState, want: ft.TrainState) -> None:
+    """The same tree (order and empty TensorDicts included) and every tensor bit for bit."""
+    assert json.dumps(tree_of(got)) == json.dumps(tree_of(want))
+    for (key, a), (_, b) in zip(leaves(got), leaves(want)):
+        assert a.dtype == b.dtype and torch.equal(a, b), key
+
+
+def test_a_checkpoint_of_the_stages_pieces_is_the_whole_state_on_one_process(
+    pipeline_two_ranks, tmp_path
+):
+    """Each rank wrote its own stages' tensors (the tied embedding and the counters once); one
+    process loads the whole state, bitwise the gathered one, and consolidates its params."""
+    out = pipeline_two_ranks[0]["resumed"]
+    assert_bitwise(ft.load(out["path"]), out["saved"])
+    assert_bitwise(ft.load(out["path"], like=out["saved"]), out["saved"])
+    meta = ft.load_meta(out["path"])
+    assert meta["format_version"] == 2 and meta["world_size"] == 2
+    files = {k: [p["file"][:10] for p in e["pieces"]] for k, e in meta["index"].items()}
+    assert files["params.blocks.0.attn.qkv.weight"] == ["rank-00000"]
+    assert files["opt_state.1.0.mu.blocks.3.attn.qkv.weight"] == ["rank-00001"]
+    assert files["params.wte.weight"] == files["step"] == ["rank-00000"]
+    ft.consolidate(out["path"], tmp_path / "export")
+    params = safetensors.torch.load_file(tmp_path / "export" / "model.safetensors")
+    whole = out["saved"].params
+    assert sorted(params) == sorted(ft.tree.paths(whole))
+    for key, t in zip(ft.tree.paths(whole), ft.tree.leaves(whole)):
+        assert torch.equal(params[key], t), key
+
+
+def test_a_checkpoint_loads_onto_another_schedules_stages(pipeline_two_ranks):
+    """A checkpoint of pp 2 x 1F1B's pieces, and a whole one, loaded onto interleaved 1F1B's
+    stages (each rank reading its own): bitwise the whole state laid out by ``shard_state``."""
+    for r in pipeline_two_ranks:
+        out = r["resumed"]
+        assert_bitwise(out["loaded"], out["laid out"])
+        assert_bitwise(out["from whole"], out["laid out"])
+
+
 def test_errors_at_the_first_call_name_the_fix(pipeline_two_ranks):
     errors = pipeline_two_ranks[0]["errors"]
     assert "6 rows" in errors["rows"] and "multiple of microbatches" in errors["rows"]
@@ -118,6 +164,47 @@ def test_fsdp_under_a_pipeline_keeps_half_the_state_at_rest(pipeline_four_ranks)
 def test_tensor_parallel_stages_equal_one_process(pipeline_four_ranks):
     """pp 2 x tp 2: each stage's matrices split over its tp pair (interleaved 1F1B)."""
     assert_equal_to_one_process([r["pp2 tp2"] for r in pipeline_four_ranks], "plain")
+
+
+@pytest.mark.parametrize(
+    "run", ["dp2 pp2 ddp", "dp2 pp2 zero1", "dp2 pp2 zero2", "dp2 pp2 fsdp", "pp2 tp2"]
+)
+def test_each_rank_saves_its_stages_pieces_and_one_process_loads_the_whole(
+    pipeline_four_ranks, run
+):
+    """Under ft.shard over dp and tensor parallelism, each rank writes only pieces of its own
+    stages (no gather to any rank; a replica written once): one process loads the whole state,
+    bitwise the gathered one."""
+    out = pipeline_four_ranks[0][run]
+    assert_bitwise(ft.load(out["path"]), out["state"])
+    meta = ft.load_meta(out["path"])
+    tp = 2 if "tp2" in run else 1
+
+    def stages(key: str) -> set[int]:  # the pp coordinates of the ranks that wrote its pieces
+        return {(int(p["file"][5:10]) // tp) % 2 for p in meta["index"][key]["pieces"]}
+
+    for prefix in ("params.", "opt_state.1.0.mu."):  # a param and its moment
+        assert stages(f"{prefix}blocks.0.attn.qkv.weight") == {0}
+        assert stages(f"{prefix}blocks.3.attn.qkv.weight") == {1}
+    writers = {p["file"] for e in meta["index"].values() for p in e["pieces"]}
+    assert len(writers) == (2 if run == "dp2 pp2 ddp" else 4)  # ddp's dp replicas write nothing
+
+
+@pytest.mark.parametrize("layout", ["pp4", "dp2 pp2 zero2", "pp2 tp2", "dp4 zero1"])
+def test_a_dp_x_pp_checkpoint_loads_onto_any_layout(pipeline_four_ranks, layout):
+    """dp 2 x pp 2 (zero1)'s checkpoint loaded onto 4 stages, interleaved dp 2 x pp 2 under zero2,
+    pp 2 x tp 2, and zero1 over 4 processes without a pipeline: gathered again, bitwise the
+    state it saved."""
+    want = pipeline_four_ranks[0]["dp2 pp2 zero1"]["state"]
+    for r in pipeline_four_ranks:
+        assert_bitwise(r[f"onto {layout}"]["state"], want)
+
+
+def test_resumed_on_another_pipeline_size_continues_the_same_run(pipeline_four_ranks):
+    """The dp 2 x pp 2 checkpoint (3 steps) resumed on pp 4 takes the 4th step of one process."""
+    want, _ = reference("plain", steps=4)
+    for r in pipeline_four_ranks:
+        assert_trees_close(r["onto pp4"]["next"], want, TOL)
 
 
 @pytest.mark.parametrize("run", ["dp2 pp2 tp2", "dp2 pp2 tp2 fsdp"])
