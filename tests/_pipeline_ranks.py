@@ -9,6 +9,8 @@ the parent (:func:`reference`). The settings below are the same in the parent an
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
 import ftrain as ft
@@ -221,6 +223,13 @@ def on_four_ranks(tmp: str) -> dict:
     pp4 = ft.distributed.pipeline.pp_mesh(pp=4)
     for s in FOUR:
         out[f"pp4 {s}"] = _run(pp4, "plain", s, n_layer=8)
+    if (
+        importlib.util.find_spec("transformers") is not None
+    ):  # tests/distributed/pipeline/test_hf.py
+        from _pipeline_hf import pipelined
+
+        for kind, tie in (("gpt2", None), ("llama", False)):
+            out[f"hf {kind} pp4"] = pipelined(pp4, kind, "1f1b", tie)
     mesh = ft.distributed.pipeline.pp_mesh(pp=2)  # dp 2 x pp 2
     for shard in ("ddp", "zero1", "zero2", "fsdp"):
         name = f"dp2 pp2 {shard}"

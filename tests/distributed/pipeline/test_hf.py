@@ -1,9 +1,11 @@
 """ft.pipeline on Hugging Face models (ftrain.distributed.pipeline.hf): GPT-2 and Llama.
 
-The stages chained by hand give the whole model's logits bitwise (one process, fast); two
-pipeline processes train as one process does (fp32, 1e-5), under 1F1B and interleaved 1F1B, with
-the head tied to the embedding (GPT-2, Llama) and untied (Llama). The models are tiny, built from
-a config here (no downloads): width 32, 4 layers, so interleaving cuts 4 one-layer stages.
+The stages chained by hand give the whole model's logits bitwise (one process, fast). Pipelined
+processes train as one process does (fp32, 1e-5): two processes (one spawn for both models)
+under every schedule this torch runs over gloo, the head tied to the embedding (GPT-2, Llama) and
+untied (Llama); four (pp = 4, the 4-rank pipeline run of ``_pipeline_ranks``) under 1F1B, one
+layer per stage. The models are tiny, built from a config here (no downloads): width 32, 4
+layers, so the schedules with several stages per rank cut 4 one-layer stages at pp = 2.
 """
 
 from __future__ import annotations
@@ -18,92 +20,52 @@ import ftrain as ft
 from ftrain.distributed.pipeline import family_of
 from ftrain.distributed.pipeline.cut import cut, even_split, stage_module
 
-from _hf import tiny_config
+from _pipeline_hf import one_process, pipelined, tiny_hf
+from _pipeline_ranks import SCHEDULES
 from _tiny import VOCAB, assert_trees_close, lm_batch
 
 pytest.importorskip("transformers")
 
-LENGTHS = (2, 5, 16, 16, 7, 1, 16, 9)  # valid targets per row: unequal counts per micro-batch
-STEPS = 3
-SCHEDULES = (("1f1b", {}), ("interleaved-1f1b", {"virtual": 2}))
-VARIANTS = {
-    "gpt2": [(s, None) for s, _ in SCHEDULES],
-    "llama": [(s, tie) for tie in (False, True) for s, _ in SCHEDULES],
-}
+# (model, schedule, tie): GPT-2 (tied) under every schedule; Llama tied under every schedule and
+# untied under one schedule of each kind (one stage per rank, several)
+VARIANTS = [("gpt2", s, None) for s in SCHEDULES]
+VARIANTS += [("llama", s, True) for s in SCHEDULES]
+VARIANTS += [("llama", s, False) for s in ("1f1b", "interleaved-1f1b")]
 
 
-def tiny_hf(kind: str, *, tie: bool | None = None, attn: str = "sdpa", seed: int = 0):
-    """A tiny ``kind`` model ("gpt2": head tied; "llama": ``tie`` chooses) of 4 layers over the
-    vocabulary of ``_tiny``'s batches, with attention implementation ``attn``, seeded."""
-    from transformers import AutoModelForCausalLM
-
-    config = tiny_config(kind, VOCAB)
-    config.num_hidden_layers = 4
-    if tie is not None:
-        config.tie_word_embeddings = tie
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config, attn_implementation=attn)
-
-
-def hf_loss(model):
-    """As ``ftrain.app.recipes.hf`` trains a model: the logits of the ids, token cross-entropy."""
-
-    def loss_fn(params, batch):
-        logits = ft.apply(model, params, batch["input"]).logits  # (B, T, V)
-        return ft.losses.cross_entropy(logits, batch["target"])
-
-    return loss_fn
-
-
-def _opt():
-    return ft.optim.chain(ft.optim.clip_by_global_norm(1.0), ft.optim.adamw(1e-3, weight_decay=0.1))
-
-
-def _train(step, state):
-    metrics = []
-    for i in range(STEPS):
-        state, m = step(state, lm_batch(8, seed=100 + i, lengths=LENGTHS))
-        metrics.append({k: float(m[k]) for k in ("loss", "count", "grad_norm")})
-    return state, metrics
-
-
-def _one_process(kind: str, tie: bool | None):
-    model = tiny_hf(kind, tie=tie)
-    state = ft.TrainState.create(ft.params_of(model), _opt())
-    return _train(ft.train_step(hf_loss(model), _opt()), state)
-
-
-def _pipelined(kind: str) -> dict:
-    """On each of 2 processes: every variant of ``kind`` trained pipelined, its state put back
-    together (``unshard_state``), its metrics, and how many params keys this rank held."""
+def _on_two_ranks() -> dict:
     torch.set_num_threads(1)
     mesh = ft.distributed.pipeline.pp_mesh(pp=2)
-    out = {}
-    for schedule, tie in VARIANTS[kind]:
-        model = tiny_hf(kind, tie=tie)
-        pp = ft.pipeline(
-            model, mesh, schedule=schedule, microbatches=4, **dict(SCHEDULES)[schedule]
-        )
-        state = pp.shard_state(ft.TrainState.create(ft.params_of(model), _opt()))
-        held = len(ft.tree.paths(state.params))
-        state, metrics = _train(pp(ft.train_step(hf_loss(model), _opt())), state)
-        out[schedule, tie] = (pp.unshard_state(state), metrics, held)
-    return out
+    return {v: pipelined(mesh, *v) for v in VARIANTS}
 
 
-@pytest.mark.slow  # two processes start and train 2 or 4 variants: 15-25 s on 2 cores
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_two_pipeline_processes_train_as_one_process(kind):
-    ranks = ft.distributed.run_distributed(_pipelined, 2, kind)
-    for schedule, tie in VARIANTS[kind]:
-        ref_state, ref_metrics = _one_process(kind, tie)
-        whole = len(ft.tree.paths(ref_state.params))
-        for rank, out in enumerate(ranks):
-            state, metrics, held = out[schedule, tie]
-            assert held < whole, (schedule, tie, rank)  # each rank held only its stages
-            assert_trees_close(state, ref_state, 1e-5)
-            for got, want in zip(metrics, ref_metrics, strict=True):
-                assert got == pytest.approx(want, rel=1e-5, abs=1e-5), (schedule, tie, rank)
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    """Every variant on each of 2 processes: one spawn, both models (about 30 s on 2 cores)."""
+    return ft.distributed.run_distributed(_on_two_ranks, 2, timeout=400)
+
+
+def _assert_trains_as_one_process(ranks: list, kind: str, tie: bool | None, key) -> None:
+    ref_state, ref_metrics = one_process(kind, tie)
+    whole = len(ft.tree.paths(ref_state.params))
+    for rank, out in enumerate(ranks):
+        state, metrics, held = out[key]
+        assert held < whole, (key, rank)  # each rank held only its stages
+        assert_trees_close(state, ref_state, 1e-5)
+        for got, want in zip(metrics, ref_metrics, strict=True):
+            assert got == pytest.approx(want, rel=1e-5, abs=1e-5), (key, rank)
+
+
+@pytest.mark.parametrize("kind,schedule,tie", VARIANTS)
+def test_two_pipeline_processes_train_as_one_process(two_ranks, kind, schedule, tie):
+    _assert_trains_as_one_process(two_ranks, kind, tie, (kind, schedule, tie))
+
+
+@pytest.mark.parametrize("kind,tie", [("gpt2", None), ("llama", False)])
+def test_four_pipeline_processes_train_as_one_process(pipeline_four_ranks, kind, tie):
+    """pp = 4 (one layer per stage): GPT-2's tied embedding held by the first and the last of
+    four ranks; Llama's head untied."""
+    _assert_trains_as_one_process(pipeline_four_ranks, kind, tie, f"hf {kind} pp4")
 
 
 @pytest.mark.parametrize(
