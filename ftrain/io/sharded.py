@@ -25,7 +25,8 @@ reader needs nothing new, since every piece is still a box.
 A tensor held whole by every process (``step``, ``rng``, ddp's params) is one piece, written by
 rank 0. In a pipelined state the processes hold different tensors (their stages'): they exchange
 what they hold before writing, the tree and index are the whole state's, and a piece several
-hold is written by the lowest rank holding it (:func:`plan` with ``pipeline``). ``meta.json`` records each file's sha256, and is written last: the directory is committed
+hold is written by the lowest rank holding it (:func:`plan` with ``pipeline``). ``meta.json``
+records each file's sha256, and is written last: the directory is committed
 (:func:`ftrain.io.atomic.commit_dir`) by rank 0 once every rank has written its file.
 
 Loading (``ftrain.io.reshard``) reads, for every tensor, only the part of each piece that this
