@@ -151,10 +151,20 @@ def memory(
     reduce-scatters run on fake shards, and only the backend's internal buffers are modeled
     (gloo's copy of a reduce-scatter's input: :func:`ftrain.memory.fake_fsdp.backend_transient`).
 
+    **Under** ``ft.pipeline`` each rank plans its own part: its stages' params, gradients and
+    optimizer state, and the activations its schedule keeps alive (``in_flight`` micro-batches:
+    all ``m`` under GPipe, up to ``p - s`` on stage ``s`` under 1F1B). This rank's actions of
+    torch's schedule run here, on fake tensors, through the step's own stage code, loss and
+    hooks, with torch's receive buffers made as its stages make them and nothing sent
+    (:mod:`ftrain.memory.pipeline_plan`); pass the state as ``pp.shard_state`` laid it out and
+    the batch every pipeline rank gets. The zero-bubble schedules are refused.
+
     **Invariant:** within 10% of the peak of live bytes the real step allocates
     (``ftrain.testing.peak_bytes``), over micro-batches, checkpoint policies, precisions,
-    optimizers, and ``ddp``/``zero1``/``zero2``/``fsdp`` on 2 gloo ranks
-    (``tests/memory/test_predict.py``, ``tests/memory/test_fake_fsdp.py``).
+    optimizers, ``ddp``/``zero1``/``zero2``/``fsdp`` on 2 gloo ranks and on each rank of a
+    pipeline (pp = 2: GPipe, 1F1B, interleaved 1F1B; ``tests/memory/test_predict.py``,
+    ``test_fake_fsdp.py``, ``test_pipeline_plan.py``; a pipeline's in its first step, when
+    torch's stages make the receive buffers they keep).
     """
     plain, shard = planned_step(step)
     plain, stages_here, alive = _local_pipeline(plain, batch)
