@@ -40,7 +40,7 @@ import torch
 from ftrain import tree
 from ftrain.distributed.pipeline.cut import cut, stage_module
 from ftrain.distributed.pipeline.runner import SINGLE_STAGE, Stage
-from ftrain.memory.tracker import unfaked
+from ftrain.memory.tracker import fake_mode, unfaked
 from ftrain.transforms.pipeline import Pipeline
 
 __all__ = [
@@ -108,14 +108,16 @@ def in_flight(actions: Sequence[Action]) -> int:
 
 def stage_inputs(pipe: Pipeline, batch: Any) -> dict[int, tuple[tuple[int, ...], torch.dtype]]:
     """For every stage but the first, the shape (less its rows) and dtype of what it receives:
-    the previous stage's output, found by running the stages' code on the ``meta`` device (shapes
-    only, no data) on one row of ``batch``'s input."""
+    the previous stage's output, found by running the stages' code on fake tensors of the
+    ``meta`` device (shapes only, no data; a Hugging Face model sees them as traced) on one row
+    of ``batch``'s input."""
     x = pipe.inputs(batch)
-    x = torch.empty((1, *x.shape[1:]), dtype=x.dtype, device="meta")
+    stages = cut(list(pipe.blocks_per_stage))[:-1]
+    bodies = [stage_module(pipe.model, pipe.family, stage)[0] for stage in stages]
     out = {}
-    with torch.no_grad():
-        for stage in cut(list(pipe.blocks_per_stage))[:-1]:
-            body, _ = stage_module(pipe.model, pipe.family, stage)
+    with fake_mode(), torch.no_grad():
+        x = torch.empty((1, *x.shape[1:]), dtype=x.dtype, device="meta")
+        for stage, body in zip(stages, bodies):
             x = pipe.family.run(body, x, stage.first, stage.last)
             out[stage.index + 1] = (tuple(x.shape[1:]), x.dtype)
     return out
