@@ -65,7 +65,8 @@ def composed(strategy, k, policy, precision, opt_name):
 # the pipeline: a GPT whose activations outweigh its params and optimizer state, so that the
 # schedules' peaks differ (GPipe's ~2.5x 1F1B's on the first stage), 4 micro-batches of 4 rows
 PIPELINE = dict(d_model=32, n_layer=4, seq_len=64)
-PIPELINED = ("gpipe", "1f1b", "interleaved-1f1b")  # looped BFS holds all, as GPipe
+# (the others run in benchmarks/pipeline_memory.py: interleaved 1F1B, looped BFS, zbv)
+PIPELINED = ("gpipe", "1f1b", "interleaved-zero-bubble")
 
 
 def pipelined(mesh, schedule: str):

@@ -10,19 +10,29 @@ function included, as the real step does:
 * ``F`` (stage, micro-batch): the stage's forward. The first stage reads the micro-batch's rows of
   the input, any other a received buffer shaped like the previous stage's output
   (:func:`stage_inputs`). The output and what the forward saved for backward stay alive until the
-  micro-batch's ``B``; on the last stage the micro-batch's loss is computed at once, as torch's
-  schedules do.
+  micro-batch's backward; on the last stage the micro-batch's loss is computed at once, as
+  torch's schedules do.
 * ``B``: backward from that loss (last stage) or from a received gradient shaped like the output;
-  the params' gradients add up in the stage's leaves, as for real; the input's gradient is sent
-  (dropped).
+  the params' gradients add up in the stage's leaves, as for real; the input's gradient is sent.
+* ``I`` and ``W`` (zero-bubble schedules): the input and the weight half of a backward, by
+  torch's own functions (``stage_backward_input`` / ``stage_backward_weight``, as its stage
+  calls them), the activations and the weight half's intermediate gradients alive in between.
 
 So the activations alive at once are those the schedule keeps (:func:`in_flight`): under GPipe
 every micro-batch's until the backwards start, under 1F1B up to ``p - s`` on stage ``s`` of
-``p``. What torch's ``PipelineStage`` allocates besides is allocated here too: in its first step,
-a receive buffer per micro-batch for its input and one for its output's gradient, kept from then
-on. Modeled, not run: the sends (a sent tensor is dropped at once, where the backend holds it
-until the send is waited: a boundary tensor or two more) and torch's shape inference in the first
-step (one micro-batch's forward and backward, below the schedule's peak).
+``p``. What torch's runtime keeps besides is kept here too: the receive buffers its stages make
+in their first step, one per micro-batch for the input and one for the output's gradient, and
+keep; a tensor handed to the next stage on the same rank (the V-shaped schedule) in place of a
+buffer; and each tensor sent, until the send is waited (1F1B: at the next send of its kind;
+GPipe and the multi-stage runtime: at the end of the step). Not run: torch's shape inference in
+the first step (one micro-batch's forward and backward, below the schedule's peak), and 1F1B's
+warm-up keeping its first send until the cool-down (one boundary tensor more, on every rank but
+the last).
+
+This module is the adapter for torch's private pipelining APIs the planner uses:
+``torch.distributed.pipelining._backward``'s two halves of a backward, and the actions of
+``pipeline_order`` (``_Action``: ``computation_type``, ``stage_index``, ``microbatch_index``),
+read by attribute.
 
 Nothing is sent, so one rank may plan alone. The step's collectives besides (the loss totals over
 the pipeline, a tied embedding's gradient, the norm) run on fake tensors, which torch's meta
@@ -52,11 +62,11 @@ __all__ = [
     "planned_pipeline",
 ]
 
-# the schedules whose actions are whole forwards and backwards (F, B); the zero-bubble ones
-# split backward into input and weight halves (I, W), which the planner does not run
-PLANNED = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs")
+# every schedule of ft.pipeline: whole forwards and backwards (F, B), or, zero-bubble, backward
+# in an input and a weight half (I, W)
+PLANNED = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zero-bubble", "zbv")
 
-Action = tuple[str, int, int]  # (kind: "F" or "B", stage index, micro-batch)
+Action = tuple[str, int, int]  # (kind: "F", "B", "I" or "W", stage index, micro-batch)
 
 
 def rank_actions(order: Sequence[Any], single_stage: bool) -> list[Action]:
@@ -74,10 +84,10 @@ def rank_actions(order: Sequence[Any], single_stage: bool) -> list[Action]:
         kind = action.computation_type.value
         if kind in ("REDUCE_GRAD", "UNSHARD", "RESHARD"):
             continue
-        if kind not in ("F", "B"):
+        if kind not in ("F", "B", "I", "W"):
             raise ValueError(
-                f"ft.memory: the schedule's action {action} ({kind}) is not a whole forward or "
-                f"backward; the planner runs the schedules {', '.join(PLANNED)}."
+                f"ft.memory: the schedule's action {action} ({kind}) is none the planner runs "
+                f"(a forward, a backward or its input or weight half); it plans {PLANNED}."
             )
         out.append((kind, action.stage_index, action.microbatch_index))
     if single_stage:
@@ -92,16 +102,16 @@ def rank_actions(order: Sequence[Any], single_stage: bool) -> list[Action]:
 
 
 def in_flight(actions: Sequence[Action]) -> int:
-    """The most micro-batches forwarded and not yet backwarded at once, over all the stages of
-    ``actions`` (a pair of stage and micro-batch each): how many micro-batches' activations the
-    rank holds together at most."""
+    """The most micro-batches forwarded and not yet backwarded at once (the weight half done,
+    under a zero-bubble schedule), over all the stages of ``actions`` (a pair of stage and
+    micro-batch each): how many micro-batches' activations the rank holds together at most."""
     alive: set[tuple[int, int]] = set()
     most = 0
     for kind, stage, mb in actions:
         if kind == "F":
             alive.add((stage, mb))
             most = max(most, len(alive))
-        else:
+        elif kind in ("B", "W"):
             alive.discard((stage, mb))
     return most
 
@@ -179,7 +189,8 @@ class LocalSchedule:
         firsts = list(torch.tensor_split(args[0], m)) if args else []
         if not self.received and not self.received_grads:
             self._buffers(rows)
-        cache: dict[tuple[int, int], tuple] = {}
+        cache: dict[tuple[int, int], tuple] = {}  # forward -> backward: input, output, loss
+        halves: dict[tuple[int, int], tuple] = {}  # input half -> weight half (zero-bubble)
         sent: dict[str, list[torch.Tensor]] = {"F": [], "B": []}  # alive until waited
         for kind, index, i in self.actions:
             stage = self.stages[index]
@@ -191,19 +202,33 @@ class LocalSchedule:
                     with unfaked():
                         mine = torch.arange(i * rows, (i + 1) * rows)
                     loss = self.loss_fn(out, mine)
+                elif index + 1 in self.stages:  # the next stage is here: handed over (V shape)
+                    self.received[index + 1, i] = out.detach().requires_grad_()
                 else:
                     self._send(sent["F"], out.detach())
                 cache[index, i] = (x, out, loss)
                 continue
+            if kind == "W":
+                weights_backward(stage, *halves.pop((index, i)))
+                continue
             x, out, loss = cache.pop((index, i))
-            if loss is not None:
-                torch.autograd.backward(loss)
-            else:
-                torch.autograd.backward(out, grad_tensors=self.received_grads[index, i])
-            if x.requires_grad:  # the input's gradient, sent to the previous stage
-                self._send(sent["B"], x.grad)
+            outputs, grads = (
+                ((loss,), None) if loss is not None else ((out,), (self.received_grads[index, i],))
+            )
+            if kind == "B":
+                torch.autograd.backward(outputs, grad_tensors=grads)
+                grad = x.grad if x.requires_grad else None
                 x.grad = None
-            del x, out, loss
+            else:  # "I": the input's gradient now, the weights' at the "W"
+                grad, groups = input_backward(stage, outputs, grads, x)
+                halves[index, i] = (outputs, grads, x, groups)
+            if grad is None:
+                continue
+            if index - 1 in self.stages:  # the previous stage is here: handed over (V shape)
+                self.received_grads[index - 1, i] = grad
+            else:  # the input's gradient, sent to the previous stage
+                self._send(sent["B"], grad)
+            del x, out, loss, grad
         return None
 
     def _send(self, held: list[torch.Tensor], t: torch.Tensor) -> None:
@@ -212,17 +237,32 @@ class LocalSchedule:
         held.append(t)
 
 
+def input_backward(stage: Stage, outputs: tuple, grads: tuple | None, x: torch.Tensor):
+    """A zero-bubble schedule's input half of a backward, as torch's stage runs it: the
+    input's gradient (None on the first stage, which defers all of its backward to the weight
+    half) and what the weight half needs (torch's ``stage_backward_input``)."""
+    if stage.cut.first:
+        return None, None
+    from torch.distributed.pipelining._backward import stage_backward_input
+
+    grads_in, groups = stage_backward_input(list(outputs), grads, [x], stage.parameters())
+    return grads_in[0], groups
+
+
+def weights_backward(stage: Stage, outputs: tuple, grads: tuple | None, x, groups) -> None:
+    """The weight half (``stage_backward_weight``), or on the first stage its whole backward."""
+    if stage.cut.first:
+        torch.autograd.backward(outputs, grad_tensors=grads)
+        return
+    from torch.distributed.pipelining._backward import stage_backward_weight
+
+    stage_backward_weight(stage.parameters(), groups)
+
+
 def planned_pipeline(pipe: Pipeline, batch: Any) -> tuple[Pipeline, int]:
     """``pipe`` as the planner runs it: its runner driving a :class:`LocalSchedule` of this
     rank's actions (its stages shared with ``pipe``'s, nothing else changed), and
     :func:`in_flight` of those actions."""
-    if pipe.schedule not in PLANNED:
-        raise ValueError(
-            f"ft.memory: a pipelined step under schedule={pipe.schedule!r} splits backward into "
-            "input and weight halves, which the planner does not run; plan it under one of "
-            f"{', '.join(repr(s) for s in PLANNED)} (the same stages; zero-bubble keeps about "
-            "1F1B's activations)."
-        )
     runner = pipe.runner
     actions = rank_actions(
         runner.schedule.pipeline_order[runner.rank], pipe.schedule in SINGLE_STAGE

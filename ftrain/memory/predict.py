@@ -157,12 +157,12 @@ def memory(
     torch's schedule run here, on fake tensors, through the step's own stage code, loss and
     hooks, with torch's receive buffers made as its stages make them and nothing sent
     (:mod:`ftrain.memory.pipeline_plan`); pass the state as ``pp.shard_state`` laid it out and
-    the batch every pipeline rank gets. The zero-bubble schedules are refused.
+    the batch every pipeline rank gets. Every schedule of ``ft.pipeline`` is planned.
 
     **Invariant:** within 10% of the peak of live bytes the real step allocates
     (``ftrain.testing.peak_bytes``), over micro-batches, checkpoint policies, precisions,
     optimizers, ``ddp``/``zero1``/``zero2``/``fsdp`` on 2 gloo ranks and on each rank of a
-    pipeline (pp = 2: GPipe, 1F1B, interleaved 1F1B; ``tests/memory/test_predict.py``,
+    pipeline (pp = 2: GPipe, 1F1B, interleaved zero-bubble; ``tests/memory/test_predict.py``,
     ``test_fake_fsdp.py``, ``test_pipeline_plan.py``; a pipeline's in its first step, when
     torch's stages make the receive buffers they keep).
     """

@@ -11,9 +11,11 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import torch
 from torch.distributed.pipelining.schedules import _Action, get_schedule_class
 
-from ftrain.distributed.pipeline.runner import SCHEDULES, SINGLE_STAGE
+from ftrain.distributed.pipeline.cut import stage_ranks
+from ftrain.distributed.pipeline.runner import SCHEDULES, SINGLE_STAGE, V_SHAPED
 from ftrain.memory.pipeline_plan import PLANNED, in_flight, rank_actions
 
 from _memory_ranks import PIPELINED
@@ -28,11 +30,16 @@ def torch_orders(schedule: str, p: int, m: int, v: int) -> dict[int, list]:
     if schedule in SINGLE_STAGE:
         return cls(SimpleNamespace(num_stages=p), n_microbatches=m).pipeline_order
     stages = [
-        SimpleNamespace(num_stages=v * p, stage_index=k * p, group_size=p, group_rank=0,
-                        is_first=k == 0, is_last=False)
-        for k in range(v)
+        SimpleNamespace(num_stages=v * p, stage_index=i, group_size=p, group_rank=0,
+                        is_first=i == 0, is_last=i == v * p - 1, submod=torch.nn.Linear(1, 1))
+        for i in placed(schedule, p, v)[0]
     ]  # fmt: skip
     return cls(stages, n_microbatches=m).pipeline_order
+
+
+def placed(schedule: str, p: int, v: int) -> list[list[int]]:
+    """The stages of each rank, as ft.pipeline places them."""
+    return stage_ranks(p, v, schedule in V_SHAPED)
 
 
 def per_rank(schedule: str) -> int:
@@ -42,18 +49,19 @@ def per_rank(schedule: str) -> int:
 @pytest.mark.parametrize("schedule", PLANNED)
 @pytest.mark.parametrize("p,m", SIZES)
 def test_each_stage_runs_every_micro_batch_forward_then_backward(schedule, p, m):
+    """Each stage of each rank: every micro-batch's forward once, then its backward once,
+    whole (B) or in an input half and then a weight half (I, W: zero-bubble)."""
     v = per_rank(schedule)
     orders = torch_orders(schedule, p, m, v)
     for r in range(p):
         actions = rank_actions(orders[r], schedule in SINGLE_STAGE)
-        assert {s for _, s, _ in actions} == {r + k * p for k in range(v)}
+        assert {s for _, s, _ in actions} == set(placed(schedule, p, v)[r])
         for s in {s for _, s, _ in actions}:
             mine = [(kind, i) for kind, st, i in actions if st == s]
-            forwards = [i for kind, i in mine if kind == "F"]
-            backwards = [i for kind, i in mine if kind == "B"]
-            assert sorted(forwards) == sorted(backwards) == list(range(m)), (r, s, mine)
-            for i in range(m):  # each backward after its own forward
-                assert mine.index(("F", i)) < mine.index(("B", i))
+            for i in range(m):
+                kinds = [kind for kind, j in mine if j == i]
+                assert kinds in (["F", "B"], ["F", "I", "W"]), (r, s, i, kinds)
+            assert len(mine) in (2 * m, 3 * m), (r, s, mine)
 
 
 @pytest.mark.parametrize("p,m", SIZES)
@@ -62,7 +70,7 @@ def test_micro_batches_alive_at_once_follow_each_schedules_formula(p, m):
     stages per rank Megatron-LM's warm-up, (v - 1) p + 2 (p - 1 - r), plus the forward of its
     first 1F1B pair, at most all v m; looped BFS runs every forward before any backward."""
     v = 2
-    expected = {
+    expected = {  # the zero-bubble schedules: no closed form here
         "gpipe": [m] * p,
         "1f1b": [min(m, p - r) for r in range(p)],
         "interleaved-1f1b": [min(v * m, (v - 1) * p + 2 * (p - 1 - r) + 1) for r in range(p)],
@@ -74,10 +82,16 @@ def test_micro_batches_alive_at_once_follow_each_schedules_formula(p, m):
         assert got == want, schedule
 
 
-def test_split_backwards_are_refused_naming_the_schedules_planned():
-    order = [_Action.from_str(a) for a in ("0F0", "0I0", "0W0")]  # zero-bubble's halves
-    with pytest.raises(ValueError, match="1f1b"):
-        rank_actions(order, single_stage=False)
+def test_a_micro_batch_stays_alive_until_its_weight_half():
+    """Zero-bubble: the input half of a backward sends the input's gradient, but the
+    activations stay until the weight half (torch's weight half starts from them)."""
+    order = [_Action.from_str(a) for a in ("0F0", "0I0", "0F1", "0W0", "0I1", "0W1")]
+    assert in_flight(rank_actions(order, single_stage=False)) == 2
+
+
+def test_an_action_the_planner_does_not_run_is_refused_naming_the_schedules():
+    with pytest.raises(ValueError, match="interleaved-zero-bubble"):
+        rank_actions([_Action.from_str("0SEND_F0")], single_stage=False)
 
 
 # -- 2 gloo ranks, pp = 2 (conftest.py's memory_ranks) ----------------------------------------------
