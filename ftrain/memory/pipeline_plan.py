@@ -76,7 +76,11 @@ def rank_actions(order: Sequence[Any], single_stage: bool) -> list[Action]:
     A single-stage schedule (GPipe, 1F1B) runs from code written out by hand, its list only
     describing it, and each stage runs its forwards, and its backwards, in micro-batch order:
     numbered here in the order they run (torch 2.13's 1F1B list numbers the last rank's forwards
-    from 1). A multi-stage schedule runs its list as it is."""
+    from 1). A multi-stage schedule runs its list as it is.
+
+    **Invariant:** each stage of the rank has every micro-batch once as ``F`` and after it once
+    as ``B``, or as ``I`` and then ``W`` (``tests/memory/test_pipeline_plan.py``, every schedule
+    at pp = 2 and 4)."""
     out: list[Action] = []
     for action in order:
         if action is None:
@@ -104,7 +108,11 @@ def rank_actions(order: Sequence[Any], single_stage: bool) -> list[Action]:
 def in_flight(actions: Sequence[Action]) -> int:
     """The most micro-batches forwarded and not yet backwarded at once (the weight half done,
     under a zero-bubble schedule), over all the stages of ``actions`` (a pair of stage and
-    micro-batch each): how many micro-batches' activations the rank holds together at most."""
+    micro-batch each): how many micro-batches' activations the rank holds together at most.
+
+    **Invariant:** on rank ``r`` of ``p`` with ``m`` micro-batches, GPipe's all ``m``, 1F1B's
+    ``min(m, p - r)``, interleaved 1F1B's (``v`` stages per rank) Megatron-LM's warm-up
+    ``(v - 1) p + 2 (p - 1 - r)`` plus one, looped BFS's ``v m``."""
     alive: set[tuple[int, int]] = set()
     most = 0
     for kind, stage, mb in actions:
@@ -120,7 +128,7 @@ def stage_inputs(pipe: Pipeline, batch: Any) -> dict[int, tuple[tuple[int, ...],
     """For every stage but the first, the shape (less its rows) and dtype of what it receives:
     the previous stage's output, found by running the stages' code on fake tensors of the
     ``meta`` device (shapes only, no data; a Hugging Face model sees them as traced) on one row
-    of ``batch``'s input."""
+    of ``batch``'s input. **Invariant:** nothing is allocated but shapes (``meta``)."""
     x = pipe.inputs(batch)
     stages = cut(list(pipe.blocks_per_stage))[:-1]
     bodies = [stage_module(pipe.model, pipe.family, stage)[0] for stage in stages]
@@ -262,7 +270,13 @@ def weights_backward(stage: Stage, outputs: tuple, grads: tuple | None, x, group
 def planned_pipeline(pipe: Pipeline, batch: Any) -> tuple[Pipeline, int]:
     """``pipe`` as the planner runs it: its runner driving a :class:`LocalSchedule` of this
     rank's actions (its stages shared with ``pipe``'s, nothing else changed), and
-    :func:`in_flight` of those actions."""
+    :func:`in_flight` of those actions.
+
+    **Invariant:** ``ft.memory`` of the step under it is within 10% of the peak of the real
+    step's first call on each rank (pp = 2: GPipe, 1F1B, interleaved zero-bubble in
+    ``tests/memory/test_pipeline_plan.py``; every schedule at pp = 2 and 4 within 1% in
+    ``benchmarks/pipeline_memory.py``), it sends nothing, and ``pipe``'s own steps after it are
+    bitwise those of a pipeline never planned."""
     runner = pipe.runner
     actions = rank_actions(
         runner.schedule.pipeline_order[runner.rank], pipe.schedule in SINGLE_STAGE

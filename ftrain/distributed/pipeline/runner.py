@@ -199,7 +199,8 @@ class Runner:
     def with_schedule(self, make: Callable[[list[Stage], Callable], Any]) -> Runner:
         """A copy of this runner, its stages shared, whose schedule is ``make(stages,
         loss_fn)`` in place of torch's (called as torch's is: ``step(*args, target=...)``):
-        ``ft.memory`` runs the step with a local stand-in that sends nothing."""
+        ``ft.memory`` runs the step with a local stand-in that sends nothing. **Invariant:**
+        this runner is left as it was (its stages are bound and released by each run, as ever)."""
         other = copy.copy(self)
         other.schedule = make(other.stages, other._loss)
         return other
