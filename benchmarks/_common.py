@@ -113,13 +113,41 @@ def profile_diff(
     return rows, a
 
 
-def write_section(title: str, body: str) -> None:
-    """Replace (or append) the ``## title`` section of RESULTS.md with ``body``."""
+def _part(level: int, title: str) -> re.Pattern:
+    """A heading of ``level`` (2: ``##``) named ``title`` and what follows it, up to the next
+    heading of that level or above."""
+    stop = "|".join("#" * n + " " for n in range(2, level + 1))
+    return re.compile(rf"^{'#' * level} {re.escape(title)}\n.*?(?=^(?:{stop})|\Z)", re.S | re.M)
+
+
+def write_section(title: str, body: str, keep: tuple[str, ...] = ()) -> None:
+    """Replace (or append) the ``## title`` section of RESULTS.md with ``body``, carrying over
+    the ``### `` subsections of it named in ``keep`` (another script's: :func:`write_subsection`)."""
     text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
     section = f"## {title}\n\n{body.strip()}\n"
-    pattern = re.compile(rf"^## {re.escape(title)}\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(text):
-        text = pattern.sub(lambda m: section + "\n", text).rstrip() + "\n"
+    old = _part(2, title).search(text)
+    for sub in keep:
+        kept = _part(3, sub).search(old.group(0)) if old else None
+        if kept:
+            section += "\n" + kept.group(0).strip() + "\n"
+    if old:
+        text = text[: old.start()] + section + "\n" + text[old.end() :]
     else:
         text = text.rstrip() + "\n\n" + section
-    RESULTS.write_text(text)
+    RESULTS.write_text(text.rstrip() + "\n")
+
+
+def write_subsection(section: str, title: str, body: str) -> None:
+    """Replace (or append at the end of) the ``### title`` part of RESULTS.md's ``## section``
+    with ``body``, the rest of the section as it is."""
+    text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
+    part = f"### {title}\n\n{body.strip()}\n"
+    found = _part(2, section).search(text)
+    if found is None:
+        write_section(section, part)
+        return
+    whole = found.group(0).rstrip() + "\n"
+    sub = _part(3, title).search(whole)
+    whole = whole[: sub.start()] + part + "\n" + whole[sub.end() :] if sub else whole + "\n" + part
+    text = text[: found.start()] + whole.rstrip() + "\n\n" + text[found.end() :]
+    RESULTS.write_text(text.rstrip() + "\n")

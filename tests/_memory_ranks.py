@@ -1,9 +1,10 @@
 """The memory planner's 2-rank run: ``ft.memory`` against the measured peak under every strategy
-of ``ft.shard``, and ``ft.fit`` under fsdp, in one call.
+of ``ft.shard``, ``ft.fit`` under fsdp, and a pipelined step (pp = 2), in one call.
 
 ``conftest.py``'s session fixture ``memory_ranks`` runs :func:`on_two_ranks` once, on 2 gloo
-processes; ``test_memory_plan.py`` (ddp, zero1, zero2) and ``test_memory_fsdp.py`` read what it
-returns. Every rank steps its own 4 rows of a 3-block GPT of width 64.
+processes; ``test_predict.py`` (ddp, zero1, zero2), ``test_fake_fsdp.py`` and
+``test_pipeline_plan.py`` read what it returns. Every rank steps its own 4 rows of a 3-block GPT
+of width 64; the pipeline's two ranks step the same 16 rows (:func:`pipelined`).
 """
 
 from __future__ import annotations
@@ -59,6 +60,53 @@ def composed(strategy, k, policy, precision, opt_name):
     state = ft.shard_state(ft.TrainState.create(ft.params_of(model), opt), strategy)
     batch = lm_batch(4, seed=dist.get_rank(), length=MODEL["seq_len"])
     return ft.shard(step, strategy), state, batch, model
+
+
+# the pipeline: a GPT whose activations outweigh its params and optimizer state, so that the
+# schedules' peaks differ (GPipe's ~2.5x 1F1B's on the first stage), 4 micro-batches of 4 rows
+PIPELINE = dict(d_model=32, n_layer=4, seq_len=64)
+# (the others run in benchmarks/pipeline_memory.py: interleaved 1F1B, looped BFS, zbv)
+PIPELINED = ("gpipe", "1f1b", "interleaved-zero-bubble")
+
+
+def pipelined(mesh, schedule: str):
+    """``(step, state, batch)``: a fresh pipelined AdamW step (pp = 2), its state laid out."""
+    model = tiny_gpt(**PIPELINE)
+    opt = ft.optim.adamw(1e-3)
+    pp = ft.pipeline(model, mesh, schedule=schedule, microbatches=4)
+    state = pp.shard_state(ft.TrainState.create(ft.params_of(model), opt))
+    batch = lm_batch(16, seed=0, length=PIPELINE["seq_len"])
+    return pp(ft.train_step(lm_loss(model), opt)), state, batch
+
+
+def _summary(out) -> tuple[float, ...]:
+    state, metrics = out
+    return (float(metrics["loss"]), float(metrics["grad_norm"]),
+            *(float(t.double().abs().sum()) for t in ft.tree.leaves(state.params)))  # fmt: skip
+
+
+def on_pipeline(out: dict) -> None:
+    """Each schedule planned, then its first real step measured (torch's stages make their
+    receive buffers then); 1F1B planned by rank 0 alone, and stepped after planning."""
+    rank = dist.get_rank()
+    mesh = ft.distributed.pipeline.pp_mesh(pp=2)
+    out["pipeline"] = {}
+    for schedule in PIPELINED:
+        step, state, batch = pipelined(mesh, schedule)
+        if schedule == "1f1b":  # rank 0 plans alone: had it sent anything, this all-reduce
+            report = ft.memory(step, state, batch) if rank == 0 else None  # would pair with it
+            x = torch.tensor([rank + 1.0])
+            dist.all_reduce(x)
+            out["pipeline alone"] = x.item()
+            report = report or ft.memory(step, state, batch)
+        else:
+            report = ft.memory(step, state, batch)
+        real = peak_bytes(step, state, batch)
+        out["pipeline"][schedule] = (report.peak, real, report.in_flight)
+        if schedule == "1f1b":
+            never = pipelined(mesh, schedule)
+            out["pipeline after planning"] = (_summary(step(state, batch)),
+                                              _summary(never[0](never[1], never[2])))  # fmt: skip
 
 
 def measured(step, state, batch, predicted: int) -> int:
@@ -135,4 +183,5 @@ def on_two_ranks() -> dict:
         chosen_measured=measured(new, state, batch, fitted.chosen.peak),
         nearest_measured=measured(bigger, state, batch, nearest.peak),
     )
+    on_pipeline(out)
     return out

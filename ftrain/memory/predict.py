@@ -25,8 +25,10 @@ import torch
 from tensordict import TensorDictBase
 
 from ftrain import tree
+from ftrain.distributed.pipeline.runner import StageInput
 from ftrain.memory.fake_fsdp import backend_transient, fake_fsdp_state
 from ftrain.memory.one_rank import ShardLayout, rows
+from ftrain.memory.pipeline_plan import planned_pipeline
 from ftrain.memory.report import MemoryReport
 from ftrain.memory.tracker import (
     LiveBytes,
@@ -38,7 +40,13 @@ from ftrain.memory.tracker import (
 )
 from ftrain.state import TrainState
 from ftrain.step import Gradients, Step, Transform
-from ftrain.step.capabilities import COMPILES, DATA_PARALLEL, GATHERS_PARAMS, SETS_PRECISION
+from ftrain.step.capabilities import (
+    COMPILES,
+    DATA_PARALLEL,
+    GATHERS_PARAMS,
+    PIPELINES,
+    SETS_PRECISION,
+)
 
 __all__ = ["memory", "planned_step", "fake_like"]
 
@@ -46,9 +54,11 @@ __all__ = ["memory", "planned_step", "fake_like"]
 class _Trace:
     """What the probe saw during one planned call (one object per call)."""
 
-    def __init__(self, live: LiveBytes) -> None:
+    def __init__(self, live: LiveBytes, pipelined: bool = False) -> None:
         self.live = live
         self.activations: list[tuple[int, int]] = []  # (device, host) bytes per micro-batch
+        # a pipeline: one entry per stage forward, the last stage's loss added to its entry
+        self.pipelined = pipelined
         self.gradients = (0, 0)  # (device, host)
         self.before_update = 0  # peak of forward and backward
 
@@ -68,7 +78,13 @@ class _Probe(Transform):
             live = trace.live
             start, host = live.live, live.host_live
             out = fn(params, batch, state)
-            trace.activations.append((live.live - start, live.host_live - host))
+            kept = (live.live - start, live.host_live - host)
+            if trace.pipelined and not isinstance(batch, StageInput) and trace.activations:
+                device, on_host = trace.activations[-1]  # the loss of the stage's micro-batch
+                kept = (device + kept[0], on_host + kept[1])
+                trace.activations[-1] = kept
+            else:
+                trace.activations.append(kept)
             return out
 
         return measured
@@ -135,12 +151,23 @@ def memory(
     reduce-scatters run on fake shards, and only the backend's internal buffers are modeled
     (gloo's copy of a reduce-scatter's input: :func:`ftrain.memory.fake_fsdp.backend_transient`).
 
+    **Under** ``ft.pipeline`` each rank plans its own part: its stages' params, gradients and
+    optimizer state, and the activations its schedule keeps alive (``in_flight`` micro-batches:
+    all ``m`` under GPipe, up to ``p - s`` on stage ``s`` under 1F1B). This rank's actions of
+    torch's schedule run here, on fake tensors, through the step's own stage code, loss and
+    hooks, with torch's receive buffers made as its stages make them and nothing sent
+    (:mod:`ftrain.memory.pipeline_plan`); pass the state as ``pp.shard_state`` laid it out and
+    the batch every pipeline rank gets. Every schedule of ``ft.pipeline`` is planned.
+
     **Invariant:** within 10% of the peak of live bytes the real step allocates
     (``ftrain.testing.peak_bytes``), over micro-batches, checkpoint policies, precisions,
-    optimizers, and ``ddp``/``zero1``/``zero2``/``fsdp`` on 2 gloo ranks
-    (``tests/memory/test_predict.py``, ``tests/memory/test_fake_fsdp.py``).
+    optimizers, ``ddp``/``zero1``/``zero2``/``fsdp`` on 2 gloo ranks and on each rank of a
+    pipeline (pp = 2: GPipe, 1F1B, interleaved zero-bubble; ``tests/memory/test_predict.py``,
+    ``test_fake_fsdp.py``, ``test_pipeline_plan.py``; a pipeline's in its first step, when
+    torch's stages make the receive buffers they keep).
     """
     plain, shard = planned_step(step)
+    plain, stages_here, alive = _local_pipeline(plain, batch)
     kind, placed = _planned_device(state, device)
     if placed is not None and placed.type == "meta":
         autocast = [t.name for t in plain.transforms if SETS_PRECISION in t.capabilities()]
@@ -170,7 +197,7 @@ def memory(
     batch = _fake_batch(batch, mode, placed)
     host = None if kind == "cpu" else HOST
     live = LiveBytes(transient=transient, host=host)
-    trace = _Trace(live)
+    trace = _Trace(live, pipelined=stages_here > 0)
     probed = _Probe(trace)(plain)
     live.hold((tree.leaves(state.params), tree.leaves(state.opt_state), tree.leaves(state.extra)))
     live.hold(batch)
@@ -189,7 +216,8 @@ def memory(
         batch=_bytes(tensor_leaves(batch), host)[0],
         peak=live.peak,
         peak_phase="update" if live.since("update") > trace.before_update else "forward/backward",
-        micro_batches=len(trace.activations),
+        micro_batches=len(trace.activations) // max(stages_here, 1),
+        in_flight=alive,
         flops=live.flops,
         transforms=step.names,
         world_size=shard.mesh.size() if shard is not None else 1,
@@ -204,6 +232,19 @@ def memory(
 
 
 HOST = torch.device("cpu")
+
+
+def _local_pipeline(step: Step, batch: Any) -> tuple[Step, int, int]:
+    """``step`` with its pipeline, if any, running this rank's actions here
+    (:func:`~ftrain.memory.pipeline_plan.planned_pipeline`); the number of stages this rank runs
+    (0 without a pipeline) and the most micro-batches alive at once (1 without)."""
+    at = [i for i, t in enumerate(step.transforms) if PIPELINES in t.capabilities()]
+    if not at:
+        return step, 0, 1
+    pipe = step.transforms[at[0]]
+    local, alive = planned_pipeline(pipe, batch)
+    transforms = (*step.transforms[: at[0]], local, *step.transforms[at[0] + 1 :])
+    return dataclasses.replace(step, transforms=transforms), len(pipe.runner.stages), alive
 
 
 def _planned_device(state: Any, device: Any) -> tuple[str, torch.device | None]:

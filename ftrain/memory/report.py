@@ -37,6 +37,10 @@ class MemoryReport:
         host_params, host_gradients, host_optimizer, host_activations, host_update: the same
             kinds, on the host (0 on a CPU plan).
         host_peak: the most host bytes alive at once (0 on a CPU plan).
+        in_flight: the most micro-batches whose activations are alive at once: 1, but under
+            ``ft.pipeline`` what this rank's schedule keeps (GPipe: all of them; 1F1B: up to
+            ``p - s`` on stage ``s`` of ``p``); ``activations`` is then one micro-batch's
+            through one of this rank's stages, the last stage's loss included.
 
     **Invariant:** ``peak`` is the device's peak (``device_peak``) whatever the host holds, so a
     budget compares against it alone; ``state + host_state`` is the same for a step with and
@@ -62,6 +66,7 @@ class MemoryReport:
     host_activations: int = 0
     host_update: int = 0
     host_peak: int = 0
+    in_flight: int = 1
 
     @property
     def state(self) -> int:
@@ -89,7 +94,8 @@ class MemoryReport:
             ("gradients", self.gradients, self.host_gradients),
             ("optimizer state", self.optimizer, self.host_optimizer),
             (
-                f"activations (1 of {self.micro_batches} micro-batches)",
+                f"activations (1 of {self.micro_batches} micro-batches"
+                + (f", {self.in_flight} alive at once)" if self.in_flight > 1 else ")"),
                 self.activations,
                 self.host_activations,
             ),

@@ -39,6 +39,7 @@ from ftrain import tree
 __all__ = [
     "LiveBytes",
     "fake_mode",
+    "unfaked",
     "is_fake",
     "fake_like",
     "fake_tree",
@@ -54,6 +55,12 @@ _SMALL = 8
 def fake_mode() -> FakeTensorMode:
     """A fresh fake-tensor mode that accepts real inputs (they are faked on the fly)."""
     return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def unfaked():
+    """A context in which new tensors are real even inside a fake mode (a step's small index and
+    counter tensors, which it reads as Python numbers)."""
+    return unset_fake_temporarily()
 
 
 def is_fake(t: object) -> bool:

@@ -20,6 +20,7 @@ The stages' forwards go through the step's forward hooks too (``ft.autocast``'s 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -194,6 +195,15 @@ class Runner:
         self.scale: torch.Tensor | None = None
         self.unit: torch.Tensor | None = None  # under a loss scale: what the losses are over
         self.tallies: dict[int, tuple[torch.Tensor, torch.Tensor, dict]] = {}
+
+    def with_schedule(self, make: Callable[[list[Stage], Callable], Any]) -> Runner:
+        """A copy of this runner, its stages shared, whose schedule is ``make(stages,
+        loss_fn)`` in place of torch's (called as torch's is: ``step(*args, target=...)``):
+        ``ft.memory`` runs the step with a local stand-in that sends nothing. **Invariant:**
+        this runner is left as it was (its stages are bound and released by each run, as ever)."""
+        other = copy.copy(self)
+        other.schedule = make(other.stages, other._loss)
+        return other
 
     # -- one step ----------------------------------------------------------------------------
     def run(self, forward, params: TensorDict, pieces: Sequence[Any], scale) -> tuple:
