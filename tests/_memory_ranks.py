@@ -88,17 +88,12 @@ def _summary(out) -> tuple[float, ...]:
 def on_pipeline(out: dict) -> None:
     """Each schedule planned, then its first real step measured (torch's stages make their
     receive buffers then); 1F1B planned by rank 0 alone, and stepped after planning."""
-    rank = dist.get_rank()
     mesh = ft.distributed.pipeline.pp_mesh(pp=2)
     out["pipeline"] = {}
     for schedule in PIPELINED:
         step, state, batch = pipelined(mesh, schedule)
-        if schedule == "1f1b":  # rank 0 plans alone: had it sent anything, this all-reduce
-            report = ft.memory(step, state, batch) if rank == 0 else None  # would pair with it
-            x = torch.tensor([rank + 1.0])
-            dist.all_reduce(x)
-            out["pipeline alone"] = x.item()
-            report = report or ft.memory(step, state, batch)
+        if schedule == "1f1b":
+            report, out["pipeline alone"] = planned_alone(step, state, batch)
         else:
             report = ft.memory(step, state, batch)
         real = peak_bytes(step, state, batch)
@@ -107,6 +102,17 @@ def on_pipeline(out: dict) -> None:
             never = pipelined(mesh, schedule)
             out["pipeline after planning"] = (_summary(step(state, batch)),
                                               _summary(never[0](never[1], never[2])))  # fmt: skip
+
+
+def planned_alone(step, state, batch):
+    """``(ft.memory's report, the sum of an all-reduce of rank + 1)``: rank 0 plans first, alone,
+    while the other ranks go straight to the all-reduce; had rank 0's plan sent anything, the
+    all-reduce would pair with it and its sum would not be 1 + 2 + ... (then every rank plans)."""
+    rank = dist.get_rank()
+    report = ft.memory(step, state, batch) if rank == 0 else None
+    x = torch.tensor([rank + 1.0])
+    dist.all_reduce(x)
+    return report or ft.memory(step, state, batch), x.item()
 
 
 def measured(step, state, batch, predicted: int) -> int:
@@ -122,7 +128,6 @@ def measured(step, state, batch, predicted: int) -> int:
 
 def on_two_ranks() -> dict:
     """What one rank does; returns what the tests compare."""
-    rank = dist.get_rank()
     out: dict = {"sharded": {}, "fsdp": {}}
     for config in SHARDED:
         step, state, batch, _ = composed(*config)
@@ -134,12 +139,8 @@ def on_two_ranks() -> dict:
     reports = {}
     for config in FSDP:
         step, state, batch, model = composed("fsdp", *config)
-        if config == FSDP[-1]:  # rank 0 plans alone: had it sent anything, this all-reduce
-            report = ft.memory(step, state, batch) if rank == 0 else None  # would pair with it
-            x = torch.tensor([rank + 1.0])
-            dist.all_reduce(x)
-            out["alone"] = x.item()
-            report = report or ft.memory(step, state, batch)
+        if config == FSDP[-1]:
+            report, out["alone"] = planned_alone(step, state, batch)
         else:
             report = ft.memory(step, state, batch)
         reports[config] = report
