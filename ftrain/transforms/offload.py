@@ -59,7 +59,7 @@ import dataclasses
 import torch
 
 from ftrain import tree
-from ftrain.distributed.dtensor import is_dtensor, like, local
+from ftrain.distributed.dtensor import from_local, is_dtensor, like, local
 from ftrain.optim.base import GradientTransformation, LeafContext, leaf_apply, leaf_update, leafwise
 from ftrain.state import TrainState
 from ftrain.step import AutogradEngine, Gradients, Step, Transform
@@ -275,8 +275,15 @@ class HostCopies:
         self.buffers: list[torch.Tensor] = []  # per param, on the host: reused across steps
         self.streams: dict[torch.device, torch.cuda.Stream] = {}  # a side stream per device
         self.taken = 0  # gradients handed over in this step
+        self.layouts: list[tuple | None] = []  # a DTensor's (mesh, placements, shape, stride)
 
     def take(self, i: int, grad: torch.Tensor) -> None:
+        while len(self.layouts) <= i:
+            self.layouts.append(None)
+        self.layouts[i] = None
+        if is_dtensor(grad):  # this rank's shard (fsdp): its local tensor copied, laid out again
+            self.layouts[i] = (grad.device_mesh, grad.placements, grad.shape, grad.stride())
+            grad = local(grad)
         buf = _reused(self.buffers, i, grad)
         if grad.device.type == "cuda":
             stream = self.streams.get(grad.device)
@@ -294,7 +301,10 @@ class HostCopies:
         for stream in self.streams.values():
             stream.synchronize()  # a host sync: the update reads the buffers next
         n, self.taken = self.taken, 0
-        return self.buffers[:n]
+        return [
+            b if lay is None else from_local(b, *lay)
+            for b, lay in zip(self.buffers[:n], self.layouts[:n])
+        ]
 
     def __repr__(self) -> str:
         return "HostCopies()"
