@@ -232,6 +232,40 @@ def test_on_cuda_gradients_are_copied_on_a_side_stream_into_pinned_buffers_reuse
         assert max_rel_error(a, b) < 1e-6
 
 
+def _fsdp_on_cuda() -> dict:
+    """One process, fsdp over a 1-rank NCCL mesh on this GPU, with and without offload."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from ftrain.distributed import shard_state
+
+    mesh = DeviceMesh.from_group(torch.distributed.new_group([0], backend="nccl"), "cuda")
+    model = tiny_gpt().cuda()
+    opt = ft.optim.adamw(1e-2, weight_decay=0.1)
+    step = ft.train_step(lm_loss(model), opt)
+    plain = ft.shard(step, "fsdp", mesh=mesh)
+    off = ft.shard(ft.offload(step, "optimizer+gradients"), "fsdp", mesh=mesh)
+    want = got = shard_state(ft.TrainState.create(ft.params_of(model), opt), "fsdp", mesh=mesh)
+    for i in range(2):
+        cuda = {k: v.cuda() for k, v in lm_batch(8, seed=i, lengths=UNEVEN).items()}
+        want, _ = plain(want, cuda)
+        got, _ = off(got, cuda)
+    pairs = zip(ft.tree.leaves(got.params), ft.tree.leaves(want.params))
+    sink = _sink(off)
+    return {
+        "error": max(max_rel_error(a.to_local(), b.to_local()) for a, b in pairs),
+        "buffers": [(b.is_pinned(), b.device.type) for b in sink.buffers],
+        "streams": [d.type for d in sink.streams],
+        "params": len(ft.tree.leaves(got.params)),
+    }
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (NCCL, the shards)")
+def test_on_cuda_under_fsdp_each_gradient_shard_is_copied_on_a_side_stream_into_pinned_memory():
+    (out,) = run_distributed(_fsdp_on_cuda, world_size=1)
+    assert out["error"] < 1e-6  # fsdp without offload
+    assert out["buffers"] == [(True, "cpu")] * out["params"] and out["streams"] == ["cuda"]
+
+
 # -- each rank offloads its own shards ---------------------------------------------------------
 
 
