@@ -71,6 +71,10 @@ class GradientSink(Protocol):
     loss as soon as the last micro-batch's backward has produced it, while backward goes on
     (``ft.offload`` copies it to the host there). The engine then returns :meth:`result`."""
 
+    def holds(self, params: Sequence[torch.Tensor]) -> bool:
+        """Whether it can take the gradients of ``params`` (the engine's leaves, each laid out
+        as its gradient will be); where not, the engine does not use it for that backward."""
+
     def take(self, i: int, grad: torch.Tensor) -> None:
         """The final gradient of the ``i``-th param (the params' leaf order): the sum over every
         micro-batch, not yet divided by the count. Called once per param and step, possibly on
@@ -221,6 +225,7 @@ class AutogradEngine:
             # ft.memory's fake tensors plan without it; DTensors only where reduced in backward
             and not any(isinstance(t, FakeTensor) for t in leaves)
             and (self.reduced_in_backward or not any(hasattr(t, "placements") for t in leaves))
+            and self.sink.holds(leaves)
         )
 
     def __call__(

@@ -3,8 +3,9 @@
 On a machine without a GPU the host is the device, so the step runs the same kernels on the same
 values as the step without offload: the comparisons here are bitwise. In "optimizer+gradients"
 mode the gradients are copied into host transfer buffers during backward (the engine's sink,
-HostCopies) by the same code as on a GPU. The CUDA test (params on the GPU, state and buffers
-pinned on the host, copies on a side stream) compares to 1e-6 and skips without a GPU.
+HostCopies) by the same code as on a GPU; under fsdp each block's reduced shards (the file's
+one 2-process run). The CUDA tests (params on the GPU, state and buffers pinned on the host,
+copies on a side stream; fsdp on a 1-rank mesh) compare to 1e-6 and skip without a GPU.
 """
 
 from __future__ import annotations
@@ -232,13 +233,13 @@ def test_on_cuda_gradients_are_copied_on_a_side_stream_into_pinned_buffers_reuse
         assert max_rel_error(a, b) < 1e-6
 
 
-def _fsdp_on_cuda() -> dict:
-    """One process, fsdp over a 1-rank NCCL mesh on this GPU, with and without offload."""
+def _fsdp_on_cuda(backend: str) -> dict:
+    """One process, fsdp over a 1-rank mesh of ``backend`` on this GPU, with and without offload."""
     from torch.distributed.device_mesh import DeviceMesh
 
     from ftrain.distributed import shard_state
 
-    mesh = DeviceMesh.from_group(torch.distributed.new_group([0], backend="nccl"), "cuda")
+    mesh = DeviceMesh.from_group(torch.distributed.new_group([0], backend=backend), "cuda")
     model = tiny_gpt().cuda()
     opt = ft.optim.adamw(1e-2, weight_decay=0.1)
     step = ft.train_step(lm_loss(model), opt)
@@ -259,11 +260,18 @@ def _fsdp_on_cuda() -> dict:
     }
 
 
+def _fsdp_on_cuda_both() -> dict:
+    return {b: _fsdp_on_cuda(b) for b in ("cpu:gloo,cuda:nccl", "nccl")}
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (NCCL, the shards)")
 def test_on_cuda_under_fsdp_each_gradient_shard_is_copied_on_a_side_stream_into_pinned_memory():
-    (out,) = run_distributed(_fsdp_on_cuda, world_size=1)
-    assert out["error"] < 1e-6  # fsdp without offload
-    assert out["buffers"] == [(True, "cpu")] * out["params"] and out["streams"] == ["cuda"]
+    (out,) = run_distributed(_fsdp_on_cuda_both, world_size=1)
+    both, nccl = out["cpu:gloo,cuda:nccl"], out["nccl"]
+    assert both["error"] < 1e-6 and nccl["error"] < 1e-6  # fsdp without offload
+    # a group that reduces host tensors too: each shard copied in backward
+    assert both["buffers"] == [(True, "cpu")] * both["params"] and both["streams"] == ["cuda"]
+    assert nccl["buffers"] == []  # NCCL alone: copied after the reduction, by the gradients hook
 
 
 # -- each rank offloads its own shards ---------------------------------------------------------
