@@ -10,6 +10,8 @@ copies on a side stream; fsdp on a 1-rank mesh) compare to 1e-6 and skip without
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from torch import nn
@@ -300,7 +302,7 @@ def _sharded_runs() -> dict:
                 "sharded": any(hasattr(t, "placements") for t in ft.tree.leaves(state.opt_state)),
                 "sink": _sink(step) is not None,
             }
-    out["chain"] = _chain_under_fsdp(rank)
+    out["chain"] = {prefetch: _chain_under_fsdp(rank, prefetch) for prefetch in (True, False)}
     return out
 
 
@@ -315,7 +317,7 @@ class _Headed(_Chain):
         return self.head(super().forward(x, mark))
 
 
-def _chain_under_fsdp(rank: int) -> dict:
+def _chain_under_fsdp(rank: int, prefetch: bool) -> dict:
     """_Headed under fsdp (2 micro-batches of this rank's 4 rows), with and without offload; the
     host buffers when the last backward reaches block 0, and the reference: each micro-batch's
     gradient summed over the ranks (all-reduce), this rank's rows, added in micro-batch order."""
@@ -333,9 +335,9 @@ def _chain_under_fsdp(rank: int) -> dict:
         mark = lambda: snapshots.append([b.clone() for b in _sink(holder[0]).buffers])  # noqa: E731
         return loss_fn(params, batch, mark)
 
-    plain = ft.shard(ft.accumulate(ft.train_step(loss_fn, opt), 2), "fsdp")
+    plain = ft.shard(ft.accumulate(ft.train_step(loss_fn, opt), 2), "fsdp", prefetch=prefetch)
     off = ft.offload(ft.accumulate(ft.train_step(marked, opt), 2), "optimizer+gradients")
-    holder.append(ft.shard(off, "fsdp"))
+    holder.append(ft.shard(off, "fsdp", prefetch=prefetch))
     state = shard_state(ft.TrainState.create(ft.params_of(model), opt), "fsdp")
     want, got = unshard_state(plain(state, rows)[0]), unshard_state(holder[0](state, rows)[0])
     params, ref = list(model.parameters()), None
@@ -376,19 +378,19 @@ def test_under_shard_each_rank_offloads_its_own_shards(sharded_runs):
 def test_under_fsdp_each_blocks_gradient_shard_is_copied_once_reduced_during_backward(
     sharded_runs,
 ):
-    for rank, out in enumerate(sharded_runs):
-        chain = out["chain"]
+    for (rank, out), prefetch in itertools.product(enumerate(sharded_runs), (True, False)):
+        chain = out["chain"][prefetch]
         assert chain["equal"], rank  # fsdp without offload, bitwise
         ref, final, early = chain["ref"], chain["final"], chain["early"]
         assert [b.shape for b in final] == [r.shape for r in ref]  # this rank's shards only
         for i, (b, r) in enumerate(zip(final, ref)):
             assert torch.equal(b, r), (rank, i)
         # when the last backward reached block 0, blocks 2 and 3 (params 4..7) were reduced and
-        # copied (block 1's reduce-scatter was in flight), block 0 and the head not (the root's
-        # params: reduced last)
+        # copied (with prefetch block 1's reduce-scatter was in flight; without, it was done and
+        # copied too), block 0 and the head not (the root's params: reduced last)
         assert len(ref) == 10 and len(early) == 8  # the head's (8, 9): not handed over yet
-        for i in range(4, 8):
-            assert torch.equal(early[i], ref[i]), (rank, i)
+        for i in range(4 if prefetch else 2, 8):
+            assert torch.equal(early[i], ref[i]), (rank, prefetch, i)
         assert early[0].numel() == early[1].numel() == 0, rank
 
 
