@@ -5,7 +5,7 @@ capability names (the sentences below) to a note (``""`` or a detail the message
 names another transform: which declarations clash is written once, in :data:`RULES`, and the step
 checks every pair of its transforms against it when it is built. The same declarations decide the
 few things the step itself must know about its transforms (see :func:`forward_rank`,
-:func:`replaces_engine`, :func:`reduces_in_backward`).
+:func:`replaces_engine`, :func:`reduces_in_backward`, :func:`reduced_after_backward`).
 
 **Every capability is exclusive unless listed in** :data:`SHAREABLE`: two transforms declaring
 the same one do not compose (``ft.autocast`` twice sets the precision twice). A transform of your
@@ -51,6 +51,7 @@ __all__ = [
     "replaces_engine",
     "reduces_in_backward",
     "across_processes",
+    "reduced_after_backward",
 ]
 
 # -- what a transform does (each sentence reads "ft.<name> ...") ------------------------------------
@@ -64,6 +65,8 @@ SHARDED_STATE = "lays the state out across processes"
 SHARDED_PARAMS = "splits the params across processes"
 SPLITS_MATRICES = "splits weight matrices across processes"  # its model rewrite runs innermost
 GATHERS_PARAMS = "gathers parameter shards during the forward"  # its rewrite runs next
+# its reduce hook then changes only the gradients the engine left local (reweighted ones) and
+# those of params another transform splits over the processes (tp's, whole over dp)
 REDUCES_IN_BACKWARD = "reduces gradients across processes during backward"
 DATA_PARALLEL = "splits the batch across processes"  # note: over which ranks
 DATA_PARALLEL_OVER = "needs the batch split over its mesh's 'dp' ranks"  # note: those ranks
@@ -243,6 +246,18 @@ def across_processes(transforms: Sequence[Transform]) -> bool:
     pipeline parallelism): gradients are then combined across them besides the engine's sum."""
     return any(
         _declares(transforms, c) for c in (DATA_PARALLEL, DATA_PARALLEL_OVER, REDUCES_IN_BACKWARD)
+    )
+
+
+def reduced_after_backward(transforms: Sequence[Transform], reducing: Sequence[Transform]) -> bool:
+    """Whether a transform may change the engine's gradients after backward: one in
+    ``reducing`` (those with a ``reduce`` hook) or one splitting the batch or the model across
+    processes, unless it declares ``REDUCES_IN_BACKWARD``, whose ``reduce`` hook changes only
+    the gradients the engine left local (``ftrain.step.BackwardPlan.reweight``)."""
+    return any(
+        t in reducing or _declares([t], DATA_PARALLEL) or _declares([t], DATA_PARALLEL_OVER)
+        for t in transforms
+        if not _declares([t], REDUCES_IN_BACKWARD)
     )
 
 

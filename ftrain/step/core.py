@@ -89,7 +89,7 @@ class Step:
             for h in ("init", "split", "loss_scale", "reduce", "gradients")
         }
         # the engine's gradients are the step's unless a transform reduces them afterwards
-        reduced_after = bool(per_call["reduce"]) or capabilities.across_processes(ts)
+        reduced_after = capabilities.reduced_after_backward(ts, per_call["reduce"])
         optimizer = self.optimizer
         engine = AutogradEngine(capabilities.reduces_in_backward(ts), reduced_after)
         swapped: dict[str, list[Transform]] = {"optimizer": [], "engine": []}

@@ -71,6 +71,10 @@ class GradientSink(Protocol):
     loss as soon as the last micro-batch's backward has produced it, while backward goes on
     (``ft.offload`` copies it to the host there). The engine then returns :meth:`result`."""
 
+    def holds(self, params: Sequence[torch.Tensor]) -> bool:
+        """Whether it can take the gradients of ``params`` (the engine's leaves, each laid out
+        as its gradient will be); where not, the engine does not use it for that backward."""
+
     def take(self, i: int, grad: torch.Tensor) -> None:
         """The final gradient of the ``i``-th param (the params' leaf order): the sum over every
         micro-batch, not yet divided by the count. Called once per param and step, possibly on
@@ -179,9 +183,11 @@ class AutogradEngine:
     memory is freed as soon as the sink is done with it, and the engine returns the sink's
     :meth:`~GradientSink.result`. Only where that is the step's final gradient: not when
     ``reduced_after`` (a transform reduces the gradients across processes after the engine, or
-    splits the model over processes), nor ``reduced_in_backward``, nor for a micro-batch that
-    is reweighted after its backward, nor while ``torch.compile`` traces, nor for DTensor or
-    fake params (``ft.memory``'s plan); there the sink is not used.
+    splits the model over processes), nor for a micro-batch that is reweighted after its
+    backward, nor while ``torch.compile`` traces, nor for fake params (``ft.memory``'s plan);
+    there the sink is not used. With ``reduced_in_backward`` alone (``ft.shard``'s fsdp: each
+    block's gradients reduce-scattered as its backward ends) the gradient autograd hands a leaf
+    is this rank's reduced shard (a DTensor), final once handed: the sink gets it per block.
     """
 
     def __init__(
@@ -196,8 +202,8 @@ class AutogradEngine:
 
     def handing_over(self, sink: GradientSink) -> AutogradEngine:
         """This engine with ``sink`` (see the class docstring); itself where the step reduces
-        or sums gradients across processes (no gradient of its own is final there)."""
-        if self.reduced_after or self.reduced_in_backward:
+        or sums gradients across processes after backward (no gradient of its own is final)."""
+        if self.reduced_after:
             return self
         return AutogradEngine(self.reduced_in_backward, self.reduced_after, sink)
 
@@ -216,8 +222,10 @@ class AutogradEngine:
         return (
             self.sink is not None
             and not torch.compiler.is_compiling()
-            # DTensors (laid out across processes); ft.memory's fake tensors plan without it
-            and not any(hasattr(t, "placements") or isinstance(t, FakeTensor) for t in leaves)
+            # ft.memory's fake tensors plan without it; DTensors only where reduced in backward
+            and not any(isinstance(t, FakeTensor) for t in leaves)
+            and (self.reduced_in_backward or not any(hasattr(t, "placements") for t in leaves))
+            and self.sink.holds(leaves)
         )
 
     def __call__(
@@ -313,7 +321,7 @@ def _hand_over(
                 sums[i] = None  # dropped: the earlier sum is freed with this backward's
             sink.take(i, whole)
             taken[i] = True
-            return g.new_zeros(()).expand(g.shape)  # what autograd keeps: no memory
+            return _placeholder(g)  # what autograd keeps: no memory
 
         return take
 
@@ -327,3 +335,19 @@ def _hand_over(
         if not taken[i]:
             sink.take(i, torch.zeros_like(leaf) if sums is None else sums[i])
     return sink.result()
+
+
+def _placeholder(g: torch.Tensor) -> torch.Tensor:
+    """A zero-stride zero tensor with ``g``'s metadata (a DTensor laid out as ``g``, over a
+    zero-stride local tensor): what autograd may keep in place of a gradient handed over."""
+    if not hasattr(g, "placements"):
+        return g.new_zeros(()).expand(g.shape)
+    mine = g.to_local()
+    return type(g).from_local(
+        mine.new_zeros(()).expand(mine.shape),
+        g.device_mesh,
+        g.placements,
+        run_check=False,
+        shape=g.shape,
+        stride=g.stride(),
+    )

@@ -19,12 +19,14 @@ Hooks (``ft.Transform``; ``step.explain()`` shows them):
   last blocks run while the first blocks' backward still computes, and each device gradient is
   freed once its copy is done. Only where the engine's gradients are final: in one process
   (plain, ``accumulate``: the copy of the last micro-batch's whole sum only, ``checkpoint``,
-  ``autocast`` without a loss scale). Not where something changes them after backward: under
-  ``ft.shard`` (ddp/zero1/zero2 reduce after backward; fsdp reduce-scatters in backward but
-  reduces some after), tensor or pipeline parallelism, fp16 loss scaling or a bf16/fp16 mean
-  (reweighted after backward), ``ft.compile`` (hooks inside a traced backward), a replaced
-  engine (``vmap``, ``dp_sgd``) or ``ft.memory``'s fake tensors: there the gradients hook below
-  copies them, after the reduction.
+  ``autocast`` without a loss scale), and under ``ft.shard``'s fsdp, where each block's reduced
+  shards reach the sink one block after their reduce-scatter (fsdp's ``overlap.Handoff``),
+  on a mesh whose group reduces host tensors too (gloo, or
+  ``"cpu:gloo,cuda:nccl"``: :meth:`HostCopies.holds`). Not where something changes them after
+  backward: ddp/zero1/zero2 (they reduce after backward), tensor or pipeline parallelism, fp16
+  loss scaling, a bf16/fp16 mean in one process (reweighted after backward), ``ft.compile``
+  (hooks inside a traced backward), a replaced engine (``vmap``, ``dp_sgd``) or ``ft.memory``'s
+  fake tensors: there the gradients hook below copies them, after the reduction.
 * ``gradients`` (``"optimizer+gradients"``): copies the gradients to the host as soon as the
   step holds its final ones, right after the reduction across processes (so NCCL always reduces
   device tensors) and before the other ``gradients`` hooks and the update, which then read them
@@ -47,9 +49,9 @@ backward and the reduction stay compiled.
 host-to-host, the same code runs, and the result is bitwise that of the step without offload):
 the side stream and pinned buffers are exercised by the CUDA tests only; the params are copied to
 the host each step (into pinned buffers reused by :func:`offloaded`; a host master copy would
-save that copy); per-block copies under fsdp (its reduce-scatter is per block already, but
-its reduce phase still changes some gradients after backward); and fp16 loss scaling's skip flag
-(a device tensor) has not been run against host state.
+save that copy); fsdp's per-block copies run on one rank in the CUDA test only (several GPUs
+and a ``"cpu:gloo,cuda:nccl"`` group are untested); and fp16 loss scaling's skip flag (a device
+tensor) has not been run against host state.
 """
 
 from __future__ import annotations
@@ -57,9 +59,10 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.distributed as dist
 
 from ftrain import tree
-from ftrain.distributed.dtensor import is_dtensor, like, local
+from ftrain.distributed.dtensor import from_local, is_dtensor, like, local
 from ftrain.optim.base import GradientTransformation, LeafContext, leaf_apply, leaf_update, leafwise
 from ftrain.state import TrainState
 from ftrain.step import AutogradEngine, Gradients, Step, Transform
@@ -257,7 +260,9 @@ class OffloadGradients(Offload):
 
 class HostCopies:
     """``ft.offload``'s gradient sink (``ftrain.step.GradientSink``): each final gradient copied
-    into a host transfer buffer as soon as backward hands it over, while backward goes on.
+    into a host transfer buffer as soon as backward hands it over, while backward goes on. A
+    DTensor (an fsdp rank's shard) has its local tensor copied, and :meth:`result` gives the
+    buffer laid out as it was (a DTensor over the host buffer).
 
     The buffers (one per param, contiguous) are allocated when first needed, pinned where the
     gradient is on a CUDA device, and reused while the params keep their shapes and dtypes. A
@@ -275,8 +280,25 @@ class HostCopies:
         self.buffers: list[torch.Tensor] = []  # per param, on the host: reused across steps
         self.streams: dict[torch.device, torch.cuda.Stream] = {}  # a side stream per device
         self.taken = 0  # gradients handed over in this step
+        self.layouts: list[tuple | None] = []  # a DTensor's (mesh, placements, shape, stride)
+
+    def holds(self, params) -> bool:
+        """Plain tensors, and DTensors on a mesh whose process group reduces host tensors too
+        (gloo, or a group made with ``"cpu:gloo,cuda:nccl"``): the step reduces the host shards
+        it returns (their norm; clipping). An NCCL-only group does not: copied after the
+        reduction there (the ``gradients`` hook)."""
+        meshes = {id(t.device_mesh): t.device_mesh for t in params if is_dtensor(t)}
+        return all(
+            m.ndim == 1 and "gloo" in str(dist.get_backend(m.get_group())) for m in meshes.values()
+        )
 
     def take(self, i: int, grad: torch.Tensor) -> None:
+        while len(self.layouts) <= i:
+            self.layouts.append(None)
+        self.layouts[i] = None
+        if is_dtensor(grad):  # this rank's shard (fsdp): its local tensor copied, laid out again
+            self.layouts[i] = (grad.device_mesh, grad.placements, grad.shape, grad.stride())
+            grad = local(grad)
         buf = _reused(self.buffers, i, grad)
         if grad.device.type == "cuda":
             stream = self.streams.get(grad.device)
@@ -294,7 +316,10 @@ class HostCopies:
         for stream in self.streams.values():
             stream.synchronize()  # a host sync: the update reads the buffers next
         n, self.taken = self.taken, 0
-        return self.buffers[:n]
+        return [
+            b if lay is None else from_local(b, *lay)
+            for b, lay in zip(self.buffers[:n], self.layouts[:n])
+        ]
 
     def __repr__(self) -> str:
         return "HostCopies()"
@@ -326,7 +351,8 @@ def offload(step: Step, mode: str = "optimizer") -> Step:
             the host as soon as they are final, before the ``gradients`` hooks: in one process
             during backward, each as soon as autograd has produced it, into pinned buffers
             reused across steps, so the copies overlap the rest of the backward and each
-            device gradient is freed early; under ``ft.shard`` right after the reduction).
+            device gradient is freed early; under fsdp the same, each block's shards once
+            reduce-scattered; under ddp/zero1/zero2 right after the reduction).
 
     What moves where, per step: the gradients and the params device-to-host, the new params
     host-to-device (3x the params' bytes over PCIe); the optimizer state (2x the params' bytes

@@ -85,3 +85,28 @@ def test_no_builtin_transform_names_another():
                     assert not {a.name for a in node.names} & modules, path.name
             if isinstance(node, ast.Compare) and isinstance(node.left, ast.Attribute):
                 assert node.left.attr != "name", f"{path.name}:{node.lineno} compares a name"
+
+
+def test_gradients_are_final_after_backward_unless_a_transform_reduces_them_after():
+    """Only a transform reducing in backward (fsdp) leaves the engine's gradients final; its own
+    reduce hook is trusted to change only what the engine left local (its contract)."""
+    caps = capabilities
+
+    def declaring(*names, reduces=False):
+        class T(ft.Transform):
+            def capabilities(self):
+                return dict.fromkeys(names, "")
+
+        if reduces:
+            T.reduce = lambda self, grads, sums: (grads, sums)
+        return T()
+
+    fsdp = declaring(caps.DATA_PARALLEL, caps.REDUCES_IN_BACKWARD, reduces=True)
+    zero2 = declaring(caps.DATA_PARALLEL, reduces=True)
+    tp = declaring(caps.DATA_PARALLEL_OVER)
+    summing = declaring(reduces=True)  # a reduce hook of its own, in one process
+    after = caps.reduced_after_backward
+    assert not after([], []) and not after([fsdp], [fsdp])
+    assert after([zero2], [zero2]) and after([summing], [summing])
+    assert after([fsdp, tp], [fsdp])  # tp's params whole over dp: all-reduced by fsdp's reduce
+    assert after([fsdp, summing], [fsdp, summing])

@@ -3,11 +3,14 @@
 On a machine without a GPU the host is the device, so the step runs the same kernels on the same
 values as the step without offload: the comparisons here are bitwise. In "optimizer+gradients"
 mode the gradients are copied into host transfer buffers during backward (the engine's sink,
-HostCopies) by the same code as on a GPU. The CUDA test (params on the GPU, state and buffers
-pinned on the host, copies on a side stream) compares to 1e-6 and skips without a GPU.
+HostCopies) by the same code as on a GPU; under fsdp each block's reduced shards (the file's
+one 2-process run). The CUDA tests (params on the GPU, state and buffers pinned on the host,
+copies on a side stream; fsdp on a 1-rank mesh) compare to 1e-6 and skip without a GPU.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
@@ -232,6 +235,47 @@ def test_on_cuda_gradients_are_copied_on_a_side_stream_into_pinned_buffers_reuse
         assert max_rel_error(a, b) < 1e-6
 
 
+def _fsdp_on_cuda(backend: str) -> dict:
+    """One process, fsdp over a 1-rank mesh of ``backend`` on this GPU, with and without offload."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from ftrain.distributed import shard_state
+
+    mesh = DeviceMesh.from_group(torch.distributed.new_group([0], backend=backend), "cuda")
+    model = tiny_gpt().cuda()
+    opt = ft.optim.adamw(1e-2, weight_decay=0.1)
+    step = ft.train_step(lm_loss(model), opt)
+    plain = ft.shard(step, "fsdp", mesh=mesh)
+    off = ft.shard(ft.offload(step, "optimizer+gradients"), "fsdp", mesh=mesh)
+    want = got = shard_state(ft.TrainState.create(ft.params_of(model), opt), "fsdp", mesh=mesh)
+    for i in range(2):
+        cuda = {k: v.cuda() for k, v in lm_batch(8, seed=i, lengths=UNEVEN).items()}
+        want, _ = plain(want, cuda)
+        got, _ = off(got, cuda)
+    pairs = zip(ft.tree.leaves(got.params), ft.tree.leaves(want.params))
+    sink = _sink(off)
+    return {
+        "error": max(max_rel_error(a.to_local(), b.to_local()) for a, b in pairs),
+        "buffers": [(b.is_pinned(), b.device.type) for b in sink.buffers],
+        "streams": [d.type for d in sink.streams],
+        "params": len(ft.tree.leaves(got.params)),
+    }
+
+
+def _fsdp_on_cuda_both() -> dict:
+    return {b: _fsdp_on_cuda(b) for b in ("cpu:gloo,cuda:nccl", "nccl")}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (NCCL, the shards)")
+def test_on_cuda_under_fsdp_each_gradient_shard_is_copied_on_a_side_stream_into_pinned_memory():
+    (out,) = run_distributed(_fsdp_on_cuda_both, world_size=1)
+    both, nccl = out["cpu:gloo,cuda:nccl"], out["nccl"]
+    assert both["error"] < 1e-6 and nccl["error"] < 1e-6  # fsdp without offload
+    # a group that reduces host tensors too: each shard copied in backward
+    assert both["buffers"] == [(True, "cpu")] * both["params"] and both["streams"] == ["cuda"]
+    assert nccl["buffers"] == []  # NCCL alone: copied after the reduction, by the gradients hook
+
+
 # -- each rank offloads its own shards ---------------------------------------------------------
 
 
@@ -258,19 +302,96 @@ def _sharded_runs() -> dict:
                 "sharded": any(hasattr(t, "placements") for t in ft.tree.leaves(state.opt_state)),
                 "sink": _sink(step) is not None,
             }
+    out["chain"] = {prefetch: _chain_under_fsdp(rank, prefetch) for prefetch in (True, False)}
     return out
 
 
-def test_under_shard_each_rank_offloads_its_own_shards():
-    ranks = run_distributed(_sharded_runs, world_size=2)
+class _Headed(_Chain):
+    """_Chain and a head outside the blocks (its params, 8 and 9, gathered by the root)."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(6, 6)
+
+    def forward(self, x, mark):
+        return self.head(super().forward(x, mark))
+
+
+def _chain_under_fsdp(rank: int, prefetch: bool) -> dict:
+    """_Headed under fsdp (2 micro-batches of this rank's 4 rows), with and without offload; the
+    host buffers when the last backward reaches block 0, and the reference: each micro-batch's
+    gradient summed over the ranks (all-reduce), this rank's rows, added in micro-batch order."""
+    from ftrain.distributed import shard_state, unshard_state
+
+    torch.manual_seed(0)
+    model, rows = _Headed(), torch.randn(8, 6)[4 * rank : 4 * rank + 4]
+    opt, snapshots, holder = ft.optim.sgd(0.1), [], []
+
+    def loss_fn(params, batch, mark=None):
+        out = ft.apply(model, params, batch, mark)
+        return ft.Loss(out.square().sum(), torch.tensor(float(out.numel())))
+
+    def marked(params, batch):
+        mark = lambda: snapshots.append([b.clone() for b in _sink(holder[0]).buffers])  # noqa: E731
+        return loss_fn(params, batch, mark)
+
+    plain = ft.shard(ft.accumulate(ft.train_step(loss_fn, opt), 2), "fsdp", prefetch=prefetch)
+    off = ft.offload(ft.accumulate(ft.train_step(marked, opt), 2), "optimizer+gradients")
+    holder.append(ft.shard(off, "fsdp", prefetch=prefetch))
+    state = shard_state(ft.TrainState.create(ft.params_of(model), opt), "fsdp")
+    want, got = unshard_state(plain(state, rows)[0]), unshard_state(holder[0](state, rows)[0])
+    params, ref = list(model.parameters()), None
+    for piece in rows.chunk(2):
+        g = list(torch.autograd.grad(model(piece, None).square().sum(), params))
+        for t in g:
+            torch.distributed.all_reduce(t)
+        g = [t.chunk(2)[rank] for t in g]
+        ref = g if ref is None else [a + b for a, b in zip(ref, g)]
+    return {
+        "equal": all(torch.equal(a, b) for a, b in zip(ft.tree.leaves(got), ft.tree.leaves(want))),
+        "final": [b.clone() for b in _sink(holder[0]).buffers],
+        "early": snapshots[-1],
+        "ref": ref,
+    }
+
+
+@pytest.fixture(scope="module")
+def sharded_runs():
+    """The file's one 2-process run (both tests below read it)."""
+    return run_distributed(_sharded_runs, world_size=2)
+
+
+def test_under_shard_each_rank_offloads_its_own_shards(sharded_runs):
+    ranks = sharded_runs
     for strategy in ("zero1", "zero2", "fsdp"):
         plain, off = ranks[0][strategy, False], ranks[0][strategy, True]
         assert off["sharded"], strategy  # still laid out over the ranks
-        if strategy in SHARDS:  # the reduction changes them after backward: copied after it
+        if strategy == "zero2":  # the reduction changes them after backward: copied after it
             assert not off["sink"], strategy
+        if strategy == "fsdp":  # each block's reduced shard copied in backward (below)
+            assert off["sink"], strategy
         assert plain["state"].keys() == off["state"].keys()
         for path, t in plain["state"].items():
             assert torch.equal(off["state"][path], t), (strategy, path)
+
+
+def test_under_fsdp_each_blocks_gradient_shard_is_copied_once_reduced_during_backward(
+    sharded_runs,
+):
+    for (rank, out), prefetch in itertools.product(enumerate(sharded_runs), (True, False)):
+        chain = out["chain"][prefetch]
+        assert chain["equal"], rank  # fsdp without offload, bitwise
+        ref, final, early = chain["ref"], chain["final"], chain["early"]
+        assert [b.shape for b in final] == [r.shape for r in ref]  # this rank's shards only
+        for i, (b, r) in enumerate(zip(final, ref)):
+            assert torch.equal(b, r), (rank, i)
+        # when the last backward reached block 0, blocks 2 and 3 (params 4..7) were reduced and
+        # copied (with prefetch block 1's reduce-scatter was in flight; without, it was done and
+        # copied too), block 0 and the head not (the root's params: reduced last)
+        assert len(ref) == 10 and len(early) == 8  # the head's (8, 9): not handed over yet
+        for i in range(4 if prefetch else 2, 8):
+            assert torch.equal(early[i], ref[i]), (rank, prefetch, i)
+        assert early[0].numel() == early[1].numel() == 0, rank
 
 
 def test_explain_lists_offload_at_the_gradients_hook_only_in_the_mode_that_acts_there():

@@ -200,11 +200,10 @@ class _Session:
         return current, order, shards
 
     @contextlib.contextmanager
-    def gathered(self, slots, after=None, before=None, blocks=()) -> Iterator[None]:
+    def gathered(self, slots, after=None, before=None) -> Iterator[None]:
         """The parameters at ``slots`` (``ftrain.internals.module_tables.param_slots``) whole for
         the extent of the block. ``after``/``before``: the slots of the block that runs next in
-        forward, and in a recompute during backward (prefetched); ``blocks``: the root's, every
-        block's slots (their handoffs are made here)."""
+        forward (prefetched, its handoff made here), and in a recompute during backward."""
         plan = backward_plan()
         if plan is not None:  # in an engine's forward: read its decision during backward
             self.plan = plan
@@ -217,12 +216,12 @@ class _Session:
         early = self.prefetch and not overlap.recording_for_recompute()
         ahead = self._take_ahead(slots, shards) if early else self._drop_ahead()
         inputs, box = self._handed(shards) if early and self.forwarding else (shards, None)
+        grad = torch.is_grad_enabled()
+        if early and grad and self.forwarding and after is not None:
+            self._hand_off(after)  # before this gather's node: its backward runs after it
         gathered = _Gathered(self, inputs, ahead, box)
         whole = _GatherFn.apply(gathered, *inputs)
-        grad = torch.is_grad_enabled()
         if early:  # the next block's gather runs while this one computes
-            if grad and self.forwarding and blocks:
-                self._hand_off(blocks)
             self._start(after if self.forwarding else before if grad else None)
         keys = []
         if grad:  # saved for backward: packed as a reference (see pack)
@@ -273,15 +272,15 @@ class _Session:
         pending.discard()
         return None
 
-    def _hand_off(self, blocks) -> None:
-        """Each block's shards through a :class:`overlap.Handoff` of its own (made now: before any
-        block's nodes)."""
-        for slots in blocks:
-            shards = [t for t in self.shards_at(slots)[2] if t.requires_grad]
-            if shards and not any(id(t) in self.handed for t in shards):
-                box = overlap.Box()
-                for t, out in zip(shards, overlap.Handoff.apply(box, *shards)):
-                    self.handed[id(t)] = (out, box)
+    def _hand_off(self, slots) -> None:
+        """The shards of the block at ``slots`` (the next one to run) through a
+        :class:`overlap.Handoff` of their own, made now: before the gather of the block that runs
+        before it, so that in backward it runs right after that gather's backward."""
+        shards = [t for t in self.shards_at(slots)[2] if t.requires_grad]
+        if shards and not any(id(t) in self.handed for t in shards):
+            box = overlap.Box()
+            for t, out in zip(shards, overlap.Handoff.apply(box, *shards)):
+                self.handed[id(t)] = (out, box)
 
     def _handed(self, shards: list) -> tuple[list, overlap.Box | None]:
         """``shards`` with those that went through one block's handoff replaced by its outputs,
@@ -412,17 +411,15 @@ def saved_as_shards(mesh, prefetch: bool = False) -> Iterator[None]:
             s.forwarding -= 1
 
 
-def _gathering(
-    session: _Session, slots: list[tuple[dict, str]], after=None, before=None, blocks=()
-):
+def _gathering(session: _Session, slots: list[tuple[dict, str]], after=None, before=None):
     """The forward maker of :func:`ftrain.internals.blocks.replace_forwards`: run the module with
     the parameters at ``slots`` gathered, in ``session`` (captured: a checkpointed block recomputed
     on an autograd worker thread gathers in the same session). ``after``/``before``: the slots of
-    the blocks next to it, for the session's prefetch; ``blocks``: the root's, every block's."""
+    the blocks next to it, for the session's prefetch and handoffs."""
 
     def make(current: nn.Module):
         def forward(*args, **kwargs):
-            with session.gathered(slots, after, before, blocks):
+            with session.gathered(slots, after, before):
                 return current(*args, **kwargs)
 
         return forward
@@ -444,5 +441,5 @@ def gathering_copy(module: nn.Module, session: _Session) -> nn.Module:
         for i, (b, s) in enumerate(zip(blocks, slots))
     ]
     first = near[1]  # the root's gather starts the first block's
-    everything = _gathering(session, root, first, blocks=slots)
+    everything = _gathering(session, root, first)
     return replace_forwards(module, [*replacements, (module, everything)])

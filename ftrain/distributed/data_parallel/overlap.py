@@ -12,9 +12,10 @@ functions at once, so every group works.
 block's (the root's starts the first block's); in backward, a group's regather starts the one
 backward needs next (the latest-gathered group still waiting for its backward), and a block
 recomputed under ``ft.checkpoint`` starts the previous block's gather; a block's reduce-scatter
-runs during the next block's backward and is waited when that block's is started, by the block's
-:class:`Handoff` before any node reads the sums, and before ``torch.autograd.grad`` returns (the
-root's, the params outside the blocks, blocks: it ends the backward). The same collectives on the same buffers: the
+runs during the next block's backward and is waited when that block's is started, so its
+:class:`Handoff` passes on complete sums right after (and it is waited before
+``torch.autograd.grad`` returns; the root's, the params outside the blocks, blocks: it ends the
+backward). The same collectives on the same buffers: the
 same bits as without prefetch. The cost: the whole params of two blocks at a time instead of one.
 A shard gathered twice in one forward (a block run twice) has its gradient reduced at once
 (autograd adds its two gradients as soon as the second exists). Inside the blocks of
@@ -90,11 +91,16 @@ class Box:
 
 
 class Handoff(torch.autograd.Function):
-    """Identity on a block's shards, applied when the root gathers, before any block runs. Its
-    backward waits for the block's reduce-scatter, so no node reads the gradient shards before
-    the sums are in them (autograd adds them into a leaf's other gradients, or a transform
-    differentiates through the shards: ``ft.lora``'s merged weights). Autograd runs the nodes
-    made later first, so this one runs after the earlier blocks' backward: the overlap."""
+    """Identity on a block's shards, applied when the block before it (or the root, for the
+    first block) starts its gather, before that gather's node. Its backward waits for the
+    block's reduce-scatter, so no node reads the gradient shards before the sums are in them
+    (autograd adds them into a leaf's other gradients, or a transform differentiates through
+    the shards: ``ft.lora``'s merged weights). Autograd runs the nodes made later first, so this
+    one runs right after the previous block's gather's backward, which has waited for this
+    block's reduce-scatter (issued before the previous block's backward: the overlap), and
+    before the previous block's other nodes: each block's reduced gradient shards reach their
+    leaves (a gradient sink, ``ftrain.step.GradientSink``) one block after their
+    reduce-scatter, while backward goes on."""
 
     @staticmethod
     def forward(ctx, box: Box, *shards):
