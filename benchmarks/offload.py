@@ -58,7 +58,7 @@ def sides(device: str, width: int, layers: int, rows: int, seq: int) -> dict:
     step = ft.train_step(loss_fn, opt, donate=True)
     offloaded = ft.offload(step)
     per_block = ft.offload(step, "optimizer+gradients")
-    after = _WithoutSink()(per_block)  # the copy after backward, as before the sink
+    after = WithoutSink()(per_block)  # the copy after backward, as before the sink
     assert per_block.resolved.gradient_engine.sink is not None
     assert after.resolved.gradient_engine.sink is None
     steps = {"ftrain offload+grads per block": per_block, "ftrain offload+grads after": after}
@@ -100,7 +100,7 @@ def sides(device: str, width: int, layers: int, rows: int, seq: int) -> dict:
             "torch offload": torch_offload}  # fmt: skip
 
 
-class _WithoutSink(ft.Transform):
+class WithoutSink(ft.Transform):
     """The default gradient engine back, without ft.offload's sink: the gradients are then
     copied to the host by offload's gradients hook, after the whole backward."""
 

@@ -27,7 +27,7 @@ import sys
 
 import torch
 from _common import machine, rounds, write_section  # beside this script
-from offload import _WithoutSink  # beside this script
+from offload import WithoutSink  # beside this script
 
 import ftrain as ft
 from ftrain.distributed import run_distributed, shard_state
@@ -54,7 +54,7 @@ def _on_rank(size: tuple, n: int, threads: int) -> dict:
     steps = {
         "fsdp": ft.shard(step, "fsdp"),
         "fsdp offload+grads per block": ft.shard(per_block, "fsdp"),
-        "fsdp offload+grads after": _WithoutSink()(ft.shard(per_block, "fsdp")),
+        "fsdp offload+grads after": WithoutSink()(ft.shard(per_block, "fsdp")),
     }
     assert steps["fsdp offload+grads per block"].resolved.gradient_engine.sink is not None
     assert steps["fsdp offload+grads after"].resolved.gradient_engine.sink is None
