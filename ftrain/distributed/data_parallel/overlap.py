@@ -15,8 +15,8 @@ recomputed under ``ft.checkpoint`` starts the previous block's gather; a block's
 runs during the next block's backward and is waited when that block's is started, so its
 :class:`Handoff` passes on complete sums right after (and it is waited before
 ``torch.autograd.grad`` returns; the root's, the params outside the blocks, blocks: it ends the
-backward). The same collectives on the same buffers: the
-same bits as without prefetch. The cost: the whole params of two blocks at a time instead of one.
+backward). The same collectives on the same buffers: the same bits as without prefetch. The
+cost: the whole params of two blocks at a time instead of one.
 A shard gathered twice in one forward (a block run twice) has its gradient reduced at once
 (autograd adds its two gradients as soon as the second exists). Inside the blocks of
 ``ft.checkpoint(step, "selective")`` the gathers and reduce-scatters block (torch's selective checkpointing demands
