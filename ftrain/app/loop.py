@@ -48,6 +48,7 @@ from ftrain.app.sinks import Sink, check_sink, make_sinks
 # The one import of the sharding helpers (the recipe composes the step with the public ft.shard).
 from ftrain.distributed import unshard, unshard_state
 from ftrain.distributed.dtensor import is_dtensor
+from ftrain.distributed.launch import group_device, runs_nccl
 from ftrain.io.sharded import is_sharded
 from ftrain.transforms import Pipeline, TensorParallel
 from ftrain.transforms.lora import join_base, split_base
@@ -148,7 +149,7 @@ def _launch(cfg: TrainConfig) -> tuple[TrainConfig, int, int]:
         cfg = dataclasses.replace(cfg, shard="ddp")
     if cfg.device == "auto" and distributed.is_initialized():
         # a group made before train() (run_distributed's gloo one) decides: NCCL runs on GPUs
-        if torch.distributed.get_backend() != "nccl":
+        if not runs_nccl(torch.distributed.get_backend()):
             cfg = dataclasses.replace(cfg, device="cpu")
     try:
         cfg = placement.resolve(cfg)
@@ -441,8 +442,6 @@ def _any_rank(flag: bool) -> bool:
     """Whether ``flag`` is set on any process: every process gets the same answer, so all stop
     at the same step. One all-reduce (MAX) of a 0-d int tensor, and its read is a host sync."""
     # NCCL reduces only CUDA tensors (the group's device); gloo, CPU ones
-    on_gpu = torch.distributed.get_backend() == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    t = torch.tensor(int(flag), device=device)
+    t = torch.tensor(int(flag), device=group_device())
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
     return bool(t.item())

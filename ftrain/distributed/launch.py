@@ -33,6 +33,8 @@ __all__ = [
     "run_distributed",
     "DistributedError",
     "dp_ranks",
+    "runs_nccl",
+    "group_device",
     "require_group",
     "default_mesh",
     "check_mesh",
@@ -71,10 +73,25 @@ def init(backend: str | None = None) -> tuple[int, int]:
         )
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
+    if runs_nccl(backend):  # "nccl", or NCCL for CUDA tensors beside gloo ("cpu:gloo,cuda:nccl")
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(backend)
     return rank_and_world()
+
+
+def runs_nccl(backend: str) -> bool:
+    """Whether a process group of ``backend`` (``dist.get_backend()``'s string) runs NCCL:
+    ``"nccl"``, or a per-device one such as ``"cpu:gloo,cuda:nccl"``."""
+    return any(part.rsplit(":", 1)[-1] == "nccl" for part in backend.split(","))
+
+
+def group_device(group: Any = None) -> torch.device:
+    """Where the tensors of ``group``'s collectives (default: the default group) live: this
+    process's GPU when the group runs NCCL (:func:`runs_nccl`; a CUDA tensor then goes through
+    NCCL even beside gloo), else the CPU."""
+    if runs_nccl(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def dp_ranks(mesh: Any) -> str:
@@ -247,8 +264,7 @@ def default_mesh() -> Any:
     require_group("default_mesh")
     from torch.distributed.device_mesh import DeviceMesh
 
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    return DeviceMesh.from_group(dist.group.WORLD, device)
+    return DeviceMesh.from_group(dist.group.WORLD, group_device().type)
 
 
 def check_mesh(mesh: Any, fn: str) -> Any:

@@ -44,7 +44,7 @@ from ftrain import tree
 from ftrain.apply import apply, rewritten
 from ftrain.distributed.data_parallel.step_gather import gather_for_step, unreduced_grads
 from ftrain.distributed.dtensor import is_dtensor
-from ftrain.distributed.launch import dp_ranks, require_group
+from ftrain.distributed.launch import dp_ranks, group_device, require_group
 from ftrain.distributed.pipeline.cut import (
     Family,
     blocks_of,
@@ -357,7 +357,7 @@ def pipeline(
             owner[i] = r
     rank = mesh["pp"].get_local_rank()
     read = inputs if callable(inputs) else (lambda batch, key=inputs: batch[key])
-    device = _stage_device()
+    device = group_device()
     runner = Runner(
         model,
         family,
@@ -371,10 +371,3 @@ def pipeline(
         device,
     )
     return Pipeline(model, mesh, schedule, microbatches, tuple(split), read, family, runner)
-
-
-def _stage_device() -> torch.device:
-    """Where this rank's stages run: its GPU under NCCL, else the CPU."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

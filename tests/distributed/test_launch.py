@@ -5,6 +5,7 @@ how to launch."""
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from ftrain.distributed import (
@@ -17,6 +18,7 @@ from ftrain.distributed import (
     require_group,
     run_distributed,
 )
+from ftrain.distributed.launch import group_device, runs_nccl
 
 
 def test_ranks_see_their_rank_and_world_and_init_finds_the_group(two_ranks):
@@ -82,3 +84,20 @@ def test_mesh_helpers_without_a_group_name_the_caller_and_the_launch():
 def test_check_mesh_refuses_what_is_not_a_1d_device_mesh():
     with pytest.raises(ValueError, match=r"ft\.shard\(mesh=\.\.\.\): expected a 1-D .*DeviceMesh"):
         check_mesh("cpu", "shard")
+
+
+@pytest.mark.parametrize(
+    "backend,nccl",
+    [("nccl", True), ("gloo", False), ("cpu:gloo,cuda:nccl", True), ("cpu:gloo", False),
+     ("cuda:nccl", True), ("mpi", False)],
+)  # fmt: skip
+def test_a_group_runs_nccl_alone_or_for_cuda_tensors_beside_gloo(backend, nccl):
+    assert runs_nccl(backend) is nccl
+
+
+def test_the_group_device_is_the_cpu_under_gloo_and_the_gpu_wherever_nccl_runs(monkeypatch):
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    assert group_device() == torch.device("cpu")
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "cpu:gloo,cuda:nccl")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)  # no GPU needed to ask
+    assert group_device() == torch.device("cuda", 3)

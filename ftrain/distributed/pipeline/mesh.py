@@ -6,7 +6,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ftrain.distributed.launch import require_group
+from ftrain.distributed.launch import group_device, require_group
 
 __all__ = ["pp_mesh"]
 
@@ -32,5 +32,5 @@ def pp_mesh(pp: int, tp: int = 1, device: str | None = None) -> Any:
     _check_size("pp", pp, world, tp)
     from torch.distributed.device_mesh import init_device_mesh
 
-    device = device or ("cuda" if dist.get_backend() == "nccl" else "cpu")
+    device = device or group_device().type
     return init_device_mesh(device, (world // (pp * tp), pp, tp), mesh_dim_names=("dp", "pp", "tp"))

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from ftrain import tree
 from ftrain.distributed.data_parallel.zero import check_replicated
 from ftrain.distributed.dtensor import dtensor, from_local, full_tensor, split_placement
-from ftrain.distributed.launch import require_group
+from ftrain.distributed.launch import group_device, require_group
 from ftrain.distributed.tensor_parallel.plans import Split, local_piece
 from ftrain.optim.quantized import CODE_LEAVES
 from ftrain.state import TrainState
@@ -46,7 +46,7 @@ def tp_mesh(tp: int, device: str | None = None) -> Any:
         )
     from torch.distributed.device_mesh import init_device_mesh
 
-    device = device or ("cuda" if dist.get_backend() == "nccl" else "cpu")
+    device = device or group_device().type
     return init_device_mesh(device, (world // tp, tp), mesh_dim_names=("dp", "tp"))
 
 
