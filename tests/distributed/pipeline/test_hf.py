@@ -45,7 +45,7 @@ def two_ranks() -> list[dict]:
     return ft.distributed.run_distributed(_on_two_ranks, 2, timeout=400)
 
 
-def _assert_trains_as_one_process(ranks: list, kind: str, tie: bool | None, key) -> None:
+def assert_trains_as_one_process(ranks: list, kind: str, tie: bool | None, key) -> None:
     ref_state, ref_metrics = one_process(kind, tie)
     whole = len(ft.tree.paths(ref_state.params))
     for rank, out in enumerate(ranks):
@@ -58,14 +58,14 @@ def _assert_trains_as_one_process(ranks: list, kind: str, tie: bool | None, key)
 
 @pytest.mark.parametrize("kind,schedule,tie", VARIANTS)
 def test_two_pipeline_processes_train_as_one_process(two_ranks, kind, schedule, tie):
-    _assert_trains_as_one_process(two_ranks, kind, tie, (kind, schedule, tie))
+    assert_trains_as_one_process(two_ranks, kind, tie, (kind, schedule, tie))
 
 
 @pytest.mark.parametrize("kind,tie", [("gpt2", None), ("llama", False)])
 def test_four_pipeline_processes_train_as_one_process(pipeline_four_ranks, kind, tie):
     """pp = 4 (one layer per stage): GPT-2's tied embedding held by the first and the last of
     four ranks; Llama's head untied."""
-    _assert_trains_as_one_process(pipeline_four_ranks, kind, tie, f"hf {kind} pp4")
+    assert_trains_as_one_process(pipeline_four_ranks, kind, tie, f"hf {kind} pp4")
 
 
 @pytest.mark.parametrize(
