@@ -89,6 +89,11 @@ def on_pipeline(out: dict) -> None:
     """Each schedule planned, then its first real step measured (torch's stages make their
     receive buffers then); 1F1B planned by rank 0 alone, and stepped after planning."""
     mesh = ft.distributed.pipeline.pp_mesh(pp=2)
+    step, state, batch = pipelined(mesh, "1f1b")
+    try:  # fsdp over dp (of 1 here) under the pipeline: refused, not planned wrong
+        ft.memory(ft.shard(step, "fsdp", mesh=mesh["dp"]), state, batch)
+    except ValueError as e:
+        out["pipeline fsdp"] = str(e)
     out["pipeline"] = {}
     for schedule in PIPELINED:
         step, state, batch = pipelined(mesh, schedule)

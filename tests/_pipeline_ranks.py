@@ -212,7 +212,22 @@ def on_two_ranks(tmp: str) -> dict:
             out[config] = _run(mesh, config, "1f1b")
     out["resumed"] = _resumed(mesh, f"{tmp}/ckpt")
     out["errors"] = _errors(mesh)
+    out["errors"]["one rank"] = _one_rank_fails(mesh, f"{tmp}/ckpt-pp2")
     return out
+
+
+def _one_rank_fails(mesh, path: str) -> str:
+    """A pipelined load whose checkpoint only rank 0 finds: every rank raises, naming rank 1
+    (none waits in the trees' exchange for a rank that stopped)."""
+    model = tiny_gpt(n_layer=4)
+    pp = ft.pipeline(model, mesh, schedule="1f1b", microbatches=MICRO)
+    like = pp.shard_state(ft.TrainState.create(ft.params_of(model), adamw()))
+    mine = path if torch.distributed.get_rank() == 0 else f"{path}-not-here"
+    try:
+        ft.load(mine, like=like, pipeline=pp)
+    except ft.CheckpointError as e:
+        return str(e)
+    return "loaded"
 
 
 def on_four_ranks(tmp: str) -> dict:
@@ -244,6 +259,7 @@ def on_four_ranks(tmp: str) -> dict:
     out["onto dp2 pp2 zero2"] = _loaded(saved, mesh, schedule="interleaved-1f1b", shard="zero2")
     out["onto pp2 tp2"] = _loaded(saved, tp2)
     out["onto dp4 zero1"] = _loaded(saved, shard="zero1")
+    out["onto dp2 pp2 fsdp"] = _loaded(saved, mesh, shard="fsdp")
     return out
 
 

@@ -5,7 +5,6 @@
     torchrun --nproc_per_node 2 -m ftrain train --shard ddp
 
     from ftrain.app.config import TrainConfig
-from ftrain.app.model_parallel import data_parallel, lay_out, model_parallel, pipeline_of, whole_state
     from ftrain.app.loop import train
     summary = train(TrainConfig(max_steps=100, out="runs/a"))   # {"step", "loss", "seconds", ...}
 

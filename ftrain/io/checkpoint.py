@@ -282,20 +282,23 @@ def load(
             devices). ``step`` and ``rng`` always stay on the CPU. Default: the CPU, or ``like``'s
             devices.
     """
-    path = _resolve(Path(path))
-    meta = read_meta(path)
     if pipeline is not None and like is None:
         raise ValueError(
             "ft.load(path, pipeline=pp): give like= too, the state pp.shard_state laid out for "
             "this process (its stages are what it reads)."
         )
+    if pipeline is None:
+        path = _resolve(Path(path))
+        meta = read_meta(path)
+    else:  # a collective follows: a path one process cannot read is raised on every process
+        path, meta = sharded.agreed(lambda: _found(path), "ft.load")
     if like is not None:
         if not isinstance(like, TrainState):
             raise TypeError(
                 f"ft.load(path, like=...): like must be an ft.TrainState, got "
                 f"{type(like).__name__}."
             )
-        whole = tree_of(like) if pipeline is None else sharded.whole_tree(like, pipeline)
+        whole = tree_of(like) if pipeline is None else sharded.gathered_whole_tree(like, pipeline)
         _check_like(path, meta["tree"], whole)
     if "index" in meta or pipeline is not None or (like is not None and sharded.is_sharded(like)):
         return reshard.read(path, meta, like, device, part=pipeline is not None)
@@ -308,6 +311,12 @@ def load(
     for field in ("params", "opt_state", "extra"):
         fields[field] = _place(fields[field], field, device, devices)
     return TrainState(**fields, batch_size=[])
+
+
+def _found(path: str | os.PathLike) -> tuple[Path, dict]:
+    """The checkpoint directory ``path`` names and its verified ``meta.json``."""
+    found = _resolve(Path(path))
+    return found, read_meta(found)
 
 
 def load_meta(path: str | os.PathLike) -> dict[str, Any]:

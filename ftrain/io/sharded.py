@@ -41,6 +41,7 @@ import datetime
 import json
 import math
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,12 +65,13 @@ __all__ = [
     "Plan",
     "box_of",
     "boxes_of",
+    "agreed",
     "gathered",
+    "gathered_whole_tree",
     "host_copies",
     "is_sharded",
     "leaves",
     "plan",
-    "whole_tree",
     "write",
 ]
 
@@ -220,7 +222,18 @@ def plan(state: TrainState, pipeline: Any = None, group=None) -> Plan:
     they hold (trees and boxes, no tensor values). The plan's tree is then the whole state's
     (``pipeline.whole_tree``), its index every tensor of it, and a box that several processes
     hold (a replica over dp or tp, the tied embedding on two stages, ``step``) is written once,
-    by the lowest rank holding it."""
+    by the lowest rank holding it. A refusal on any process (a state a checkpoint cannot hold)
+    is then raised on every process, naming it, before anything is written."""
+    if pipeline is None:
+        return _plan_here(state, every_box=False)
+    # the processes hold different tensors: a refusal on some of them is raised on all
+    here = agreed(lambda: _plan_here(state, every_box=True), "ft.save", group)
+    return _of_the_whole(here, pipeline, group)
+
+
+def _plan_here(state: TrainState, every_box: bool) -> Plan:
+    """:func:`plan` of this process's tensors; with ``every_box``, also the boxes that another
+    process writes in a checkpoint of the same layout (a pipeline then picks one writer each)."""
     tree = tree_of(state)  # refuses what a checkpoint cannot hold, naming it
     tensors, mine, boxes = {}, {}, {}
     for key, t in leaves(state):
@@ -232,7 +245,7 @@ def plan(state: TrainState, pipeline: Any = None, group=None) -> Plan:
             "placements": placements,
         }
         found, dim, first = boxes_of(t)
-        if not first and pipeline is None:
+        if not first and not every_box:
             continue
         piece = (local(t) if is_dtensor(t) else t).detach()
         if dim is None:
@@ -244,8 +257,7 @@ def plan(state: TrainState, pipeline: Any = None, group=None) -> Plan:
         for c, (part, (offsets, sizes)) in enumerate(zip(parts, found)):
             mine[f"{key}#{c}"] = part
             boxes[f"{key}#{c}"] = [offsets, sizes, key]
-    p = Plan(tree, tensors, mine, boxes, int(state.step.max()))
-    return p if pipeline is None else _of_the_whole(p, pipeline, group)
+    return Plan(tree, tensors, mine, boxes, int(state.step.max()))
 
 
 def gathered(value: Any, group=None) -> list:
@@ -256,10 +268,27 @@ def gathered(value: Any, group=None) -> list:
     return out
 
 
-def whole_tree(state: TrainState, pipeline: Any, group=None) -> dict:
+def agreed(work: Callable[[], Any], who: str, group=None) -> Any:
+    """``work()`` on this process, once every process of ``group`` has run its own (a collective
+    of one status each, no values): where it raised on any process, every process raises one
+    :class:`CheckpointError` naming the ranks and their errors, so none waits in a later
+    collective for a process that has stopped."""
+    try:
+        result, mine = work(), ("ok", None)
+    except Exception as e:  # noqa: BLE001 - every rank raises it below
+        result, mine = None, ("error", _error(e))
+    everyone = gathered(mine, group)
+    failed = [f"rank {r}: {v}" for r, (status, v) in enumerate(everyone) if status != "ok"]
+    if failed:
+        raise CheckpointError(f"{who}: " + "; ".join(failed))
+    return result
+
+
+def gathered_whole_tree(state: TrainState, pipeline: Any, group=None) -> dict:
     """The tree of the whole state that the processes' parts ``state`` make up (each its
-    ``pipeline``'s stages): ``pipeline.whole_tree`` of every process's tree (a collective)."""
-    return pipeline.whole_tree(gathered(tree_of(state), group))
+    ``pipeline``'s stages): ``pipeline.whole_tree`` of every process's tree (a collective; a
+    state a checkpoint cannot hold, on any process, raised on every process)."""
+    return pipeline.whole_tree(gathered(agreed(lambda: tree_of(state), "ft.load", group), group))
 
 
 def _of_the_whole(p: Plan, pipeline: Any, group) -> Plan:
@@ -275,7 +304,8 @@ def _of_the_whole(p: Plan, pipeline: Any, group) -> Plan:
                 raise CheckpointError(
                     f"ft.save: {key!r} is {had['dtype']}{had['shape']} on one process and "
                     f"{info['dtype']}{info['shape']} on rank {r}; the processes' states are "
-                    "not parts of one state."
+                    "not parts of one state. Fix: on every process, pass ft.save(..., pipeline=pp) the "
+                    "state pp.shard_state laid out (the same model, optimizer and pp)."
                 )
         for stored, box in boxes.items():
             writer.setdefault(_box_id(stored, box), r)
@@ -347,16 +377,15 @@ def write(p: Plan, path: Path, extra: dict, group=None) -> Path:
         written = ("ok", on_host, p.boxes)
     except Exception as e:  # noqa: BLE001
         written = ("error", _error(e), None)
-    gathered: list = [None] * world
-    dist.all_gather_object(gathered, written, group=group)
+    everyone = gathered(written, group)
     committed = None
     if rank == 0:
         try:
-            failed = [f"rank {r}: {w[1]}" for r, w in enumerate(gathered) if w[0] != "ok"]
+            failed = [f"rank {r}: {w[1]}" for r, w in enumerate(everyone) if w[0] != "ok"]
             if failed:
                 raise CheckpointError(f"ft.save: writing {path} failed on " + "; ".join(failed))
-            meta = _meta(p, extra, {_file_name(r, world): w[1] for r, w in enumerate(gathered)},
-                         [w[2] for w in gathered], world)  # fmt: skip
+            meta = _meta(p, extra, {_file_name(r, world): w[1] for r, w in enumerate(everyone)},
+                         [w[2] for w in everyone], world)  # fmt: skip
             with atomic.write_file(tmp / META_FILE) as f:
                 f.write(json.dumps(meta, indent=1, allow_nan=False).encode())
             atomic.commit_dir(tmp, path)

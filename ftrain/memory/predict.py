@@ -168,6 +168,12 @@ def memory(
     """
     plain, shard = planned_step(step)
     plain, stages_here, alive = _local_pipeline(plain, batch)
+    if stages_here and shard is not None and shard.strategy == "fsdp":
+        raise ValueError(
+            "ft.memory: a pipelined step under ft.shard(..., 'fsdp') is not planned (its stages' "
+            "params gathered once per step are not modeled); plan it under 'zero2' and add 1/dp "
+            "of this rank's params (fsdp's peak during a step, docs/pipeline-parallel.md)."
+        )
     kind, placed = _planned_device(state, device)
     if placed is not None and placed.type == "meta":
         autocast = [t.name for t in plain.transforms if SETS_PRECISION in t.capabilities()]

@@ -50,7 +50,6 @@ __all__ = [
     "forward_rank",
     "replaces_engine",
     "reduces_in_backward",
-    "across_processes",
     "reduced_after_backward",
 ]
 
@@ -239,14 +238,6 @@ def replaces_engine(transforms: Sequence[Transform]) -> bool:
 def reduces_in_backward(transforms: Sequence[Transform]) -> bool:
     """Whether gradients are reduced across processes while backward runs."""
     return _declares(transforms, REDUCES_IN_BACKWARD)
-
-
-def across_processes(transforms: Sequence[Transform]) -> bool:
-    """Whether a transform splits the batch or the model across processes (data, tensor or
-    pipeline parallelism): gradients are then combined across them besides the engine's sum."""
-    return any(
-        _declares(transforms, c) for c in (DATA_PARALLEL, DATA_PARALLEL_OVER, REDUCES_IN_BACKWARD)
-    )
 
 
 def reduced_after_backward(transforms: Sequence[Transform], reducing: Sequence[Transform]) -> bool:

@@ -274,7 +274,7 @@ class Step:
         if scale is not None:
             denom = denom * scale
         if grads and denom.device != grads[0].device:  # on the host already (ft.offload's sink)
-            denom = denom.to(grads[0].device)  # a 0-d copy; the sink has waited for its copies
+            denom = denom.to(grads[0].device)  # a host sync (the count lives on the device)
         if owned:
             foreach.div_(grads, denom)
         else:  # autograd's own (see AutogradEngine): out of place, then the buffers are ours

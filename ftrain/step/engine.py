@@ -81,9 +81,9 @@ class GradientSink(Protocol):
         autograd's worker thread; ``grad`` may be read only until this returns, or on the
         device's current stream (a copy issued there, or on a stream that waits for it)."""
 
-    def result(self) -> list[torch.Tensor]:
-        """The gradients taken, in the params' leaf order, ready to be read (copies finished);
-        called once backward has returned. The step reads them, never writes them, and only
+    def result(self, n: int) -> list[torch.Tensor]:
+        """The ``n`` gradients taken (one per param), in the params' leaf order, ready to be read
+        (copies finished); called once backward has returned. The step reads them, never writes them, and only
         until the engine's next call (a sink may reuse its buffers then)."""
 
 
@@ -334,7 +334,7 @@ def _hand_over(
     for i, leaf in enumerate(leaves):
         if not taken[i]:
             sink.take(i, torch.zeros_like(leaf) if sums is None else sums[i])
-    return sink.result()
+    return sink.result(len(leaves))
 
 
 def _placeholder(g: torch.Tensor) -> torch.Tensor:

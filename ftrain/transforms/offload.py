@@ -279,7 +279,6 @@ class HostCopies:
     def __init__(self) -> None:
         self.buffers: list[torch.Tensor] = []  # per param, on the host: reused across steps
         self.streams: dict[torch.device, torch.cuda.Stream] = {}  # a side stream per device
-        self.taken = 0  # gradients handed over in this step
         self.layouts: list[tuple | None] = []  # a DTensor's (mesh, placements, shape, stride)
 
     def holds(self, params) -> bool:
@@ -310,12 +309,10 @@ class HostCopies:
             grad.record_stream(stream)  # its memory is reused only after the copy
         else:
             buf.copy_(grad)
-        self.taken += 1
 
-    def result(self) -> list[torch.Tensor]:
+    def result(self, n: int) -> list[torch.Tensor]:
         for stream in self.streams.values():
             stream.synchronize()  # a host sync: the update reads the buffers next
-        n, self.taken = self.taken, 0
         return [
             b if lay is None else from_local(b, *lay)
             for b, lay in zip(self.buffers[:n], self.layouts[:n])

@@ -117,3 +117,8 @@ def test_planning_a_pipeline_sends_nothing_and_leaves_its_step_as_it_was(memory_
     for out in memory_ranks:
         planned, fresh = out["pipeline after planning"]
         assert planned == fresh  # the step after planning: bitwise that of one never planned
+
+
+def test_a_pipeline_under_fsdp_is_refused_not_planned_wrong(memory_ranks):
+    for out in memory_ranks:
+        assert "not planned" in out["pipeline fsdp"] and "'zero2'" in out["pipeline fsdp"]

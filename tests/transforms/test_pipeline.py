@@ -133,6 +133,12 @@ def test_errors_at_the_first_call_name_the_fix(pipeline_two_ranks):
     assert "pp.shard_state(state)" in errors["whole"]
 
 
+def test_a_pipelined_load_that_fails_on_one_rank_fails_on_every_rank(pipeline_two_ranks):
+    for out in pipeline_two_ranks:
+        message = out["errors"]["one rank"]
+        assert message.startswith("ft.load: rank 1: ") and "not-here" in message
+
+
 @pytest.mark.parametrize("schedule", FOUR)
 def test_four_stages_equal_one_process(pipeline_four_ranks, schedule):
     assert_equal_to_one_process(
@@ -190,10 +196,10 @@ def test_each_rank_saves_its_stages_pieces_and_one_process_loads_the_whole(
     assert len(writers) == (2 if run == "dp2 pp2 ddp" else 4)  # ddp's dp replicas write nothing
 
 
-@pytest.mark.parametrize("layout", ["pp4", "dp2 pp2 zero2", "pp2 tp2", "dp4 zero1"])
+@pytest.mark.parametrize("layout", ["pp4", "dp2 pp2 zero2", "dp2 pp2 fsdp", "pp2 tp2", "dp4 zero1"])
 def test_a_dp_x_pp_checkpoint_loads_onto_any_layout(pipeline_four_ranks, layout):
     """dp 2 x pp 2 (zero1)'s checkpoint loaded onto 4 stages, interleaved dp 2 x pp 2 under zero2,
-    pp 2 x tp 2, and zero1 over 4 processes without a pipeline: gathered again, bitwise the
+    dp 2 x pp 2 under fsdp, pp 2 x tp 2, and zero1 over 4 processes without a pipeline: gathered again, bitwise the
     state it saved."""
     want = pipeline_four_ranks[0]["dp2 pp2 zero1"]["state"]
     for r in pipeline_four_ranks:
