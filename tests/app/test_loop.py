@@ -353,8 +353,9 @@ def test_tp_or_pp_with_fsdp_over_the_dp_groups_equals_one_process(tmp_path, tiny
     grads and optimizer state split again over the 2 data-parallel groups) logs the losses of one
     process given the same global batch (to 1e-5), and saves a sharded checkpoint on the way.
     `--pp 2 --shard fsdp`, run next in the same processes (each stage's state split over the 2
-    groups), logs them too. (One process is the reference: `--tp 2` and `--pp 2` with ddp equal
-    it too, by the tests above.)"""
+    groups), logs them too, and its checkpoint (each stage's fsdp shards written by the processes
+    holding them) resumed on one process takes the 4th step of the one-process run. (One process
+    is the reference: `--tp 2` and `--pp 2` with ddp equal it too, by the tests above.)"""
     common = [*tiny_run, "--batch-size", "2", "--global-batch-size", "4", "--decay-steps", "3",
               "--save-every", "3", "--max-steps", "3"]  # fmt: skip
 
@@ -365,10 +366,15 @@ def test_tp_or_pp_with_fsdp_over_the_dp_groups_equals_one_process(tmp_path, tiny
     ft.distributed.run_distributed(
         _train_each, 4, [cfg("fsdp", "--tp", "2", "--shard", "fsdp"), pp]
     )
-    train(cfg("one"))
+    train(cfg("one", "--max-steps", "4"))
+    train(cfg("pp", "--max-steps", "4", "--resume"))  # one process, from the pipeline's pieces
     want = _losses(tmp_path / "one")
-    for run in ("fsdp", "pp"):
+    for run, steps in (("fsdp", [1, 2, 3]), ("pp", [1, 2, 3, 4])):
         got = _losses(tmp_path / run)
-        assert sorted(got) == sorted(want) == [1, 2, 3]
-        assert max(abs(got[s] - want[s]) for s in want) <= 1e-5, run
+        assert sorted(got) == steps
+        assert max(abs(got[s] - want[s]) for s in steps) <= 1e-5, run
+    # resumed, not restarted: the one process logged step 4 alone, after the pipeline's 3
+    assert len((tmp_path / "pp" / "metrics.jsonl").read_text().splitlines()) == 4
+    saved = ft.load_meta(tmp_path / "pp" / "checkpoint-3")
+    assert saved["format_version"] == 2 and len(saved["files"]) == 4  # each process its pieces
     assert ft.load_meta(ft.latest_checkpoint(tmp_path / "fsdp"))["format_version"] == 2
