@@ -47,7 +47,7 @@ from ftrain.app.sinks import Sink, check_sink, make_sinks
 # The one import of the sharding helpers (the recipe composes the step with the public ft.shard).
 from ftrain.distributed import unshard, unshard_state
 from ftrain.distributed.dtensor import is_dtensor
-from ftrain.distributed.launch import group_device, runs_nccl
+from ftrain.distributed.launch import backend_for, group_device, runs_nccl
 from ftrain.io.sharded import is_sharded
 from ftrain.transforms import Pipeline, TensorParallel
 from ftrain.transforms.lora import join_base, split_base
@@ -156,7 +156,7 @@ def _launch(cfg: TrainConfig) -> tuple[TrainConfig, int, int]:
         raise SystemExit(f"ftrain train: error: {e}") from None
     if cfg.shard != "none":
         try:
-            distributed.init("nccl" if torch.device(cfg.device).type == "cuda" else "gloo")
+            distributed.init(backend_for(cfg.device, host_collectives=cfg.offload != "none"))
         except RuntimeError as e:
             raise SystemExit(f"ftrain train: --shard {cfg.shard}: {e}") from None
     rank, world = distributed.rank_and_world()

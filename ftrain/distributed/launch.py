@@ -34,6 +34,8 @@ __all__ = [
     "DistributedError",
     "dp_ranks",
     "runs_nccl",
+    "reduces_host_tensors",
+    "backend_for",
     "group_device",
     "require_group",
     "default_mesh",
@@ -83,6 +85,24 @@ def runs_nccl(backend: str) -> bool:
     """Whether a process group of ``backend`` (``dist.get_backend()``'s string) runs NCCL:
     ``"nccl"``, or a per-device one such as ``"cpu:gloo,cuda:nccl"``."""
     return any(part.rsplit(":", 1)[-1] == "nccl" for part in backend.split(","))
+
+
+def reduces_host_tensors(backend: str) -> bool:
+    """Whether a process group of ``backend`` (``dist.get_backend()``'s string) can reduce
+    tensors in host memory: ``"gloo"`` (or ``"mpi"``), or a per-device one with a CPU part such
+    as ``"cpu:gloo,cuda:nccl"``. NCCL alone cannot: a collective of host tensors over it fails."""
+    parts = [part.split(":") for part in backend.split(",")]
+    return any(p[-1] != "nccl" if len(p) == 1 else p[0] == "cpu" for p in parts)
+
+
+def backend_for(device: torch.device | str, *, host_collectives: bool = False) -> str:
+    """The process group's backend for training on ``device``: ``"gloo"`` on the CPU,
+    ``"nccl"`` on GPUs, and ``"cpu:gloo,cuda:nccl"`` on GPUs when some collectives also reduce
+    host tensors (``host_collectives``: ``ft.offload`` under a sharded strategy, whose host
+    optimizer takes global norms of its host shards). CUDA tensors go through NCCL either way."""
+    if torch.device(device).type != "cuda":
+        return "gloo"
+    return "cpu:gloo,cuda:nccl" if host_collectives else "nccl"
 
 
 def group_device(group: Any = None) -> torch.device:

@@ -18,7 +18,7 @@ from ftrain.distributed import (
     require_group,
     run_distributed,
 )
-from ftrain.distributed.launch import group_device, runs_nccl
+from ftrain.distributed.launch import backend_for, group_device, reduces_host_tensors, runs_nccl
 
 
 def test_ranks_see_their_rank_and_world_and_init_finds_the_group(two_ranks):
@@ -93,6 +93,22 @@ def test_check_mesh_refuses_what_is_not_a_1d_device_mesh():
 )  # fmt: skip
 def test_a_group_runs_nccl_alone_or_for_cuda_tensors_beside_gloo(backend, nccl):
     assert runs_nccl(backend) is nccl
+
+
+@pytest.mark.parametrize(
+    "backend,host",
+    [("nccl", False), ("gloo", True), ("cpu:gloo,cuda:nccl", True), ("cuda:nccl", False),
+     ("cpu:gloo", True), ("mpi", True)],
+)  # fmt: skip
+def test_a_group_reduces_host_tensors_with_gloo_or_a_cpu_part(backend, host):
+    assert reduces_host_tensors(backend) is host
+
+
+def test_the_backend_for_a_device_adds_gloo_beside_nccl_only_for_host_collectives():
+    assert backend_for("cpu") == backend_for("cpu", host_collectives=True) == "gloo"
+    assert backend_for("cuda:1") == "nccl"  # a name: no GPU needed to ask
+    backend = backend_for(torch.device("cuda"), host_collectives=True)
+    assert runs_nccl(backend) and reduces_host_tensors(backend)
 
 
 def test_the_group_device_is_the_cpu_under_gloo_and_the_gpu_wherever_nccl_runs(monkeypatch):
