@@ -102,7 +102,10 @@ def cross_entropy(
         total = F.cross_entropy(x.float(), t, ignore_index=ignore_index, reduction="sum")
     else:  # the kernel accumulates in fp32 and writes the logits' dtype; the sum in fp32
         valid = t != ignore_index
-        picked = F.log_softmax(x, dim=-1).gather(1, torch.where(valid, t, 0).unsqueeze(1))
+        # dtype named: CUDA autocast runs a log_softmax without one in fp32 (a copy of the
+        # logits upcast, fp32 log-probabilities); with it, as F.cross_entropy calls it
+        logp = F.log_softmax(x, dim=-1, dtype=x.dtype)
+        picked = logp.gather(1, torch.where(valid, t, 0).unsqueeze(1))
         total = -torch.where(valid, picked.squeeze(1).float(), 0.0).sum()
     count = (targets != ignore_index).sum()
     return TokenLoss(total, count)

@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import ftrain as ft
 from ftrain.internals import dynamo
@@ -60,6 +61,40 @@ def test_cross_entropy_in_the_logits_dtype_sums_bf16_log_probabilities_in_fp32()
     assert grad.dtype == torch.bfloat16
     torch.testing.assert_close(grad.float(), grad32.float(), rtol=2e-2, atol=1e-2)
     assert torch.all(grad[1, 3:] == 0)  # ignored positions get no gradient
+
+
+def test_cross_entropy_in_the_logits_dtype_keeps_them_under_cuda_autocast():
+    """Under CUDA autocast (its policy applies to fake CUDA tensors: no GPU needed), ``fp32=False``
+    computes the log-softmax on the bf16 logits and writes bf16, as ``F.cross_entropy`` does
+    (nanoGPT's loss): no fp32 copy of the logits. A log_softmax without a dtype would be cast
+    to fp32 there (autocast's fp32 list)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    seen = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            shapes = [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and shapes and shapes[0] == (6, 11):  # whole logits
+                seen.append((func.__name__, out.dtype))
+            return out
+
+    was, dtype = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+    with FakeTensorMode():
+        logits = torch.empty(2, 3, 11, dtype=torch.bfloat16, device="cuda")
+        targets = torch.zeros(2, 3, dtype=torch.long, device="cuda")
+        torch.set_autocast_enabled("cuda", True)  # torch.autocast refuses without a GPU
+        torch.set_autocast_dtype("cuda", torch.bfloat16)
+        try:
+            with Ops():
+                loss = cross_entropy(logits, targets, fp32=False)
+        finally:
+            torch.set_autocast_enabled("cuda", was)
+            torch.set_autocast_dtype("cuda", dtype)
+    assert loss.total.dtype == torch.float32
+    assert ("_log_softmax.default", torch.bfloat16) in seen
+    assert all(out == torch.bfloat16 for _, out in seen), seen
 
 
 def test_a_count_of_zero_gives_a_value_of_zero():
