@@ -58,13 +58,19 @@ def test_fp16_equals_one_process_to_fp16_rounding(pipeline_two_ranks, config):
     micro-batches) lies within eps of the fp32 run, measured here; the pipeline's run is one
     more such run, so it lies within 2 eps of one process's. No step is skipped that one
     process does not skip."""
+    assert_within_fp16_rounding([out[config] for out in pipeline_two_ranks], config)
+
+
+def assert_within_fp16_rounding(runs: list[dict], config: str) -> None:
+    """Each of ``runs`` (one per process) within 2 eps of one process's fp16 run and of the fp32
+    run, eps being the farthest any one-process fp16 run (1, 2, 4 or 8 micro-batches) lies from
+    the fp32 run; the same steps skipped and the same loss scale."""
     fp32, _ = reference("sgd")
     want, metrics = reference(config)
-    runs = [want, *(reference(config, micro_batches=k)[0] for k in (1, 2))]
-    eps = max(max_tree_diff(r.params, fp32.params) for r in runs)
+    ones = [want, *(reference(config, micro_batches=k)[0] for k in (1, 2))]
+    eps = max(max_tree_diff(r.params, fp32.params) for r in ones)
     assert 0 < eps < 1e-3
-    for out in pipeline_two_ranks:
-        got = out[config]
+    for got in runs:
         assert max_tree_diff(got["state"].params, want.params) <= 2 * eps
         assert max_tree_diff(got["state"].params, fp32.params) <= 2 * eps
         assert [m["skipped"] for m in got["metrics"]] == [m["skipped"] for m in metrics]
@@ -156,6 +162,15 @@ def test_fsdp_under_a_pipeline_composes_with_accumulate_checkpoint_and_bf16(pipe
     blocks and bf16 forwards: the one process's 8 micro-batches of one row."""
     got = [r["dp2 pp2 fsdp composed"] for r in pipeline_four_ranks]
     assert_equal_to_one_process(got, "composed")
+
+
+def test_fsdp_under_a_pipeline_with_fp16_loss_scaling_equals_one_process_to_fp16_rounding(
+    pipeline_four_ranks,
+):
+    """fp16 with a dynamic loss scale under dp 2 x pp 2 fsdp: the engine reweights each
+    micro-batch's gradients after its backward, so fsdp's reduce phase reduce-scatters the
+    stages' sums once; within :func:`assert_within_fp16_rounding`'s bound of one process."""
+    assert_within_fp16_rounding([r["dp2 pp2 fsdp fp16"] for r in pipeline_four_ranks], "fp16")
 
 
 def test_fsdp_under_a_pipeline_keeps_half_the_state_at_rest(pipeline_four_ranks):
