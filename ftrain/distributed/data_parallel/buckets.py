@@ -183,6 +183,7 @@ class _Backward:
         """Wait bucket ``b`` and lay out its reduced gradients (and pass them on to ``then``)."""
         bucket = self.buckets[b]
         bucket.work.wait()
+        bucket.work = None  # the backend's hold on the buffers ends
         bucket.send = None if bucket.scatter else bucket.send  # the scatter's input is done
         d = dtensor()
         for i, g, shape in zip(bucket.ids, bucket.out, bucket.shapes):
