@@ -13,19 +13,35 @@ are split). Checked against ddp: ``sgd``, ``adam``, ``adamw``, ``lion`` and ``ad
 same bits under zero1/zero2/fsdp; ``lamb`` and clipping agree to rounding (a norm summed over
 shards); ``adafactor`` equals one process to 1e-5.
 
+When gradients are reduced: ddp, zero1 and zero2 during the last micro-batch's backward, in
+buckets of ``bucket_mb`` MiB (``ftrain.distributed.data_parallel.buckets``): the engine hands each
+param's final local gradient (every micro-batch's sum) to the bucket reducer as soon as autograd
+has it, and each full bucket's all-reduce (zero2: reduce-scatter) is started asynchronously, in
+one order on every rank, while backward goes on; all are waited before the update, and the loss
+total and count are all-reduced after backward (two floats). ``bucket_mb=None``, and every case
+where the engine cannot hand the gradients over (below: fp16 loss scaling, a bf16/fp16 mean loss,
+``ft.compile``, tensor parallelism, a replaced engine, ``ft.memory``'s fake tensors), reduce all of
+them after backward, in one flat collective per dtype. ``fsdp`` reduce-scatters each block's
+gradients as its backward ends.
+
 Composition:
 
-* ``ft.accumulate``: grads are reduced once per optimizer step, after the last micro-batch (ddp,
-  zero1, zero2). ``fsdp`` reduce-scatters each micro-batch's grads during its backward; the sum is
-  the same.
+* ``ft.accumulate``: grads are reduced once per optimizer step, during (or after) the last
+  micro-batch's backward (ddp, zero1, zero2). ``fsdp`` reduce-scatters each micro-batch's grads
+  during its backward; the sum is the same.
 * ``ft.checkpoint`` and ``ft.autocast`` compose in any order. Under autocast without checkpoint,
   ``fsdp`` keeps the bf16/fp16 *casts* of each block's weights for backward (autocast makes them);
   with ``ft.checkpoint`` nothing of them is kept.
-* fp16 loss scaling: a step with non-finite gradients is skipped on every rank alike; under
-  ``fsdp`` the gradients are reduce-scattered once per step, after the engine reweights them.
+* fp16 loss scaling: a step with non-finite gradients is skipped on every rank alike; the
+  gradients are reduced once per step, after the engine reweights them (every strategy: neither
+  the buckets nor fsdp's per-block reduce-scatters run in a reweighted backward). Under ddp, zero1
+  and zero2 so is a step whose loss function returns a bf16/fp16 scalar mean.
 * ``ft.compile`` works for ``ddp``, ``zero1`` and ``zero2`` (the collectives and DTensor break the
-  graph). It is refused for ``fsdp`` when the step is built, in either order: dynamo cannot trace
+  graph; the gradients are reduced after backward: no hooks in a traced backward). It is refused for ``fsdp`` when the step is built, in either order: dynamo cannot trace
   the per-block gathering (saved-tensor hooks, gathers during backward).
+* ``ft.offload(step, "optimizer+gradients")``, inside or outside: under ddp, zero1 and zero2 its
+  host copies follow the buckets (each bucket's reduced gradients are handed on one bucket later,
+  during backward; zero2's on a group that reduces host tensors, as under fsdp).
 * ``ft.tensor_parallel`` on a ``("dp", "tp")`` mesh: ``ft.shard(step, strategy, mesh=mesh["dp"])``
   with any strategy, inside or outside ``tp(...)``, on a state laid out by
   ``ft.shard_state(tp.shard_state(state), strategy, mesh=mesh["dp"])``. Each tp piece is split
