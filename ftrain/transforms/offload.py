@@ -56,8 +56,8 @@ the side stream and pinned buffers are exercised by the CUDA tests only; the par
 the host each step (into pinned buffers reused by :func:`offloaded`; a host master copy would
 save that copy); fsdp's per-block copies run on one rank in the CUDA test only (several GPUs
 and a ``"cpu:gloo,cuda:nccl"`` group are untested), and ddp/zero2's per-bucket copies on gloo
-ranks only (NCCL's buckets and the side stream together are untested); and fp16 loss scaling's skip flag (a device
-tensor) has not been run against host state.
+ranks only (NCCL's buckets and the side stream together are untested); and fp16 loss scaling's
+skip flag (a device tensor) has not been run against host state.
 """
 
 from __future__ import annotations

@@ -37,8 +37,9 @@ Composition:
   the buckets nor fsdp's per-block reduce-scatters run in a reweighted backward). Under ddp, zero1
   and zero2 so is a step whose loss function returns a bf16/fp16 scalar mean.
 * ``ft.compile`` works for ``ddp``, ``zero1`` and ``zero2`` (the collectives and DTensor break the
-  graph; the gradients are reduced after backward: no hooks in a traced backward). It is refused for ``fsdp`` when the step is built, in either order: dynamo cannot trace
-  the per-block gathering (saved-tensor hooks, gathers during backward).
+  graph; the gradients are reduced after backward: no hooks in a traced backward). It is refused
+  for ``fsdp`` when the step is built, in either order: dynamo cannot trace the per-block
+  gathering (saved-tensor hooks, gathers during backward).
 * ``ft.offload(step, "optimizer+gradients")``, inside or outside: under ddp, zero1 and zero2 its
   host copies follow the buckets (each bucket's reduced gradients are handed on one bucket later,
   during backward; zero2's on a group that reduces host tensors, as under fsdp).
@@ -297,7 +298,8 @@ def shard(
     **Invariant:** N processes each given 1/N of the batch (any split, any padding) give the same
     state as one process given the whole batch: fp32, 1e-5 relative after several steps, for every
     strategy and with ``accumulate``/``checkpoint``/``autocast`` composed (differences are the
-    order of floating-point sums).
+    order of floating-point sums). ``bucket_mb`` changes only when ddp/zero1/zero2 reduce: on 2
+    ranks the state and metrics are bitwise those of ``bucket_mb=None``.
 
     Raises at build time: no process group (launch with torchrun and call
     ``ft.distributed.init()``), an unknown strategy, a mesh that is not 1-D, shard applied twice,
