@@ -16,13 +16,15 @@ it past ``bucket_bytes`` (a gradient bigger than that is a bucket of its own). E
 same buckets from the same params and starts their collectives in that one order (a bucket full
 before the ones ahead of it waits for them), so the ranks' collectives pair up even where
 backward hands the gradients over in another order (a param the loss does not use is handed over
-after backward). Each bucket is waited one bucket later (when the next one starts) and its reduced
-gradients passed on to the next sink, if any (``ft.offload``'s host copies), during backward;
-the rest when backward has returned.
+after backward). Nothing waits for the network during backward, unless a sink comes after the
+reducer (``ft.offload``'s host copies): then each bucket is waited one bucket later (when the next
+one starts) and its reduced gradients passed on to the sink, during backward. The rest are waited
+when backward has returned, before the step goes on.
 
-Cost: the buckets' flat buffers are the reduced gradients the step returns (fresh each step: the
-step divides them in place), so nothing is held beyond the reduction after backward's own flat
-copy; a bucket waiting for the ones ahead holds its buffer a little earlier.
+Cost: each gradient is copied into its bucket as autograd hands it over, and autograd's own is
+freed then, so the buckets take the gradients' place (no second gradient-sized copy, as the flat
+reduction after backward makes). ddp and zero1 return views of the buckets (fresh each step: the
+step divides them in place); zero2 returns this rank's rows and drops the buckets once done.
 """
 
 from __future__ import annotations
