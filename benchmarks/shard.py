@@ -6,6 +6,7 @@ tensor parallelism (``ft.tensor_parallel`` with tp = 2: each rank holds half of 
     python benchmarks/shard.py --quick    # a smoke run at a tiny size, nothing written
     python benchmarks/shard.py --mesh2d   # 4 processes, 2 (dp) x 2 (tp): each strategy over dp
     python benchmarks/shard.py --prefetch # fsdp with and without prefetch (about 2 minutes)
+    python benchmarks/shard.py --buckets  # ddp/zero2 reducing in backward or after it (1 minute)
 
 Model: ftrain's GPT (d=128, 4 blocks, seq 128), 8 rows per rank (16 in all), AdamW. Each of the
 two processes runs with one torch thread (two processes share the two cores).
@@ -34,12 +35,15 @@ import torch.nn.functional as F
 
 import ftrain as ft
 from ftrain.distributed import STRATEGIES, local_bytes, run_distributed, shard_state, track_gathered
+from ftrain.distributed.data_parallel.buckets import buckets
 from ftrain.models import GPT, GPTConfig
 from ftrain.transforms import shard
 
 SECTION = "Shard"
 SECTION_2D = "Shard on a 2-D mesh"
 SECTION_PREFETCH = "Shard: fsdp prefetch"
+SECTION_BUCKETS = "Shard: ddp and zero2 reducing during backward"
+BUCKETS = (None, 25.0, 0.5)  # bucket_mb: after backward; the default (one bucket here); ~7
 
 
 def _bytes(tensors) -> int:
@@ -234,6 +238,73 @@ def _on_rank_prefetch(cfg: GPTConfig, rows: int, rounds: int) -> dict:
     except Exception:  # noqa: BLE001 - the ftrain rows stand on their own
         pass
     return {"peaks": peaks, **_time_rounds(runs, rounds)}
+
+
+def _on_rank_buckets(cfg: GPTConfig, rows: int, rounds: int) -> dict:
+    """Runs on each of the two processes: ddp and zero2 with the gradients reduced after backward
+    (bucket_mb=None) and in buckets during it, interleaved; torch DDP (buckets too) beside."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    template, batch, loss_fn = _rank_setup(cfg, rows)
+    runs = {}
+    for strategy in ("ddp", "zero2"):
+        for mb in BUCKETS:
+            run, _, _ = _ftrain_run(template, batch, loss_fn, strategy, strategy, bucket_mb=mb)
+            runs[f"{strategy}, bucket_mb={mb}"] = run
+    for mb in BUCKETS[1:]:
+        model = DDP(copy.deepcopy(template), bucket_cap_mb=mb)
+        runs[f"torch DDP, bucket_cap_mb={mb}"] = _torch_run(
+            model, torch.optim.AdamW(model.parameters()), batch, cfg
+        )
+        runs[f"torch DDP, bucket_cap_mb={mb}"]()
+    return _time_rounds(runs, rounds)
+
+
+def report_buckets(results: list[dict], setup: str) -> str:
+    wall, cpu = results[0]["wall"], results[0]["cpu"]
+    lines = [
+        setup,
+        "",
+        "| variant | step ms (wall) | / after backward | step ms (CPU) | / after backward |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for name in wall:  # torch DDP against ftrain's ddp reducing after backward
+        base = ("ddp" if name.startswith("torch") else name.split(",")[0]) + ", bucket_mb=None"
+        lines.append(
+            f"| {name} | {wall[name] * 1e3:.0f} | {wall[name] / wall[base]:.2f} "
+            f"| {cpu[name] * 1e3:.0f} | {cpu[name] / cpu[base]:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def _main_buckets(cfg: GPTConfig, rows: int, rounds: int, quick: bool, load: float) -> None:
+    results = run_distributed(_on_rank_buckets, 2, cfg, rows, rounds, timeout=3600)
+    from _common import machine
+
+    params = list(GPT(cfg).parameters())
+    whole = sum(p.numel() for p in params) * 4
+    cut = {mb: len(buckets(params, int(mb * (1 << 20)), False)) for mb in BUCKETS[1:]}
+    setup = (
+        f"`python benchmarks/shard.py --buckets` on {machine()}; 2 processes (gloo), 1 torch "
+        f"thread each. GPT d={cfg.d_model}, {cfg.n_layer} blocks, seq {cfg.seq_len}, {rows} rows "
+        f"per rank, donated AdamW, {whole / (1 << 20):.2f} MiB of gradients; median of {rounds} "
+        f"interleaved rounds, rank 0. Load average {load:.1f} at the start and "
+        f"{os.getloadavg()[0]:.1f} at the end. bucket_mb=None reduces all gradients after "
+        "backward (one flat collective); a number reduces them during the last backward in "
+        f"buckets of that many MiB, each started async as backward fills it ({cut[25.0]} "
+        f"bucket(s) at 25, the default: started when the last gradient is in, so nothing "
+        f"overlaps; {cut[0.5]} at 0.5). The same bits either way. torch DDP's ratio is to "
+        "ftrain's ddp reducing after backward. On 2 CPU processes gloo's threads share the cores "
+        "with the backward, so little overlaps, and the copies into the buckets (a hook per "
+        "gradient) and the loss sums' own small all-reduce cost time; on a GPU the buckets' "
+        "collectives run on NCCL's stream beside the backward, as torch DDP's do."
+    )
+    text = report_buckets(results, setup)
+    print(text)
+    if not quick:
+        from _common import write_section
+
+        write_section(SECTION_BUCKETS, text)
 
 
 def report_prefetch(results: list[dict], setup: str) -> str:
@@ -444,6 +515,7 @@ def main() -> None:
         "--mesh2d", action="store_true", help="4 processes, 2 (dp) x 2 (tp): strategies over dp"
     )
     p.add_argument("--prefetch", action="store_true", help="fsdp with and without prefetch")
+    p.add_argument("--buckets", action="store_true", help="ddp/zero2 reducing in or after backward")
     args = p.parse_args()
     if args.quick:
         cfg, rows, rounds = GPTConfig(seq_len=16, d_model=32, n_layer=2, n_head=2), 2, 3
@@ -454,6 +526,8 @@ def main() -> None:
         return _main_2d(cfg, rows, rounds, args.quick, load)
     if args.prefetch:
         return _main_prefetch(cfg, rows, rounds, args.quick, load)
+    if args.buckets:
+        return _main_buckets(cfg, rows, rounds, args.quick, load)
     results = run_distributed(_on_rank, 2, cfg, rows, rounds, timeout=3600)
     whole = sum(p.numel() for p in GPT(cfg).parameters()) * 4
     block = sum(p.numel() for p in GPT(cfg).blocks[0].parameters()) * 4

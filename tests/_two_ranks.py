@@ -39,6 +39,11 @@ LENGTH = 8
 LENGTHS = (2, 5, LENGTH, LENGTH)
 
 
+# ddp/zero1/zero2 reduce in buckets of this many MiB during backward (section 1): about 20 KB,
+# so the tiny GPT's 110 KB of gradients go in 7 buckets (a 16 KB matrix alone, biases together)
+BUCKET_MB = 0.02
+
+
 def gpt(n_layer=2, **kw):
     return tiny_gpt(seq_len=LENGTH, n_head=2, n_layer=n_layer, **kw)
 
@@ -187,7 +192,9 @@ def on_two_ranks(tmp: str) -> dict:
         for strategy in STRATEGIES:
             model, opt = gpt(**model_kw), make_opt()
             step = shard(
-                transform(ft.train_step(lm_loss(model), opt, donate=name in DONATED)), strategy
+                transform(ft.train_step(lm_loss(model), opt, donate=name in DONATED)),
+                strategy,
+                bucket_mb=BUCKET_MB,
             )
             state = shard_state(ft.TrainState.create(ft.params_of(model), opt), strategy)
             state, metrics = run(step, state, data, rank)
@@ -199,6 +206,31 @@ def on_two_ranks(tmp: str) -> dict:
                 "opt_bytes": local_bytes(state.opt_state),
                 "plain_metrics": all(type(v) is torch.Tensor for v in metrics.values()),
             }
+
+    # 1b. the buckets reduced during backward (section 1) against one reduction after backward,
+    # and with ft.offload's host copies chained after the buckets (offload inside or outside)
+    for name in ("composed", "adamw"):
+        make_opt, model_kw, transform, _ = CONFIGS[name]
+        for strategy in ("ddp", "zero1", "zero2"):
+            runs = {}
+            for variant in ("after backward", "offload inside", "offload outside"):
+                model, opt = gpt(**model_kw), make_opt()
+                step = ft.train_step(lm_loss(model), opt, donate=name in DONATED)
+                if variant == "offload inside":
+                    step = ft.offload(step, "optimizer+gradients")
+                bucket = None if variant == "after backward" else BUCKET_MB
+                step = shard(transform(step), strategy, bucket_mb=bucket)
+                if variant == "offload outside":
+                    step = ft.offload(step, "optimizer+gradients")
+                state = step.init_extra(ft.TrainState.create(ft.params_of(model), opt))
+                state, metrics = run(step, shard_state(state, strategy), data, rank)
+                sink = getattr(step.resolved.gradient_engine, "sink", None)
+                runs[variant] = {
+                    **whole(unshard_state(state)),
+                    "metrics": {k: v.clone() for k, v in metrics.items()},
+                    "host copies": len(getattr(sink, "buffers", ())),
+                }
+            out["buckets", name, strategy] = runs
 
     # 2. fsdp holds whole params one block at a time (4 blocks), with and without checkpoint;
     # with prefetch (the default) the next block's gather buffer too

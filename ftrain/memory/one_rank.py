@@ -15,6 +15,16 @@ zero2      ``reduce``: a flat whole copy (the reduce-scatter's input) and this r
            ``optimizer`` as zero1.
 =========  ====================================================================================
 
+``bucketed`` (:func:`reduces_in_buckets`: ``ft.shard``'s default ``bucket_mb``): the gradients are
+reduced during backward (``engine``), each copied into its bucket's flat buffer as autograd
+produces it and autograd's own freed then, so no second gradient-sized copy is alive at once and
+``reduce`` sums only the loss total and count. ddp and zero1: the engine returns the buckets (the
+same bytes as the gradients, the step's own: divided in place). zero2: the buckets (the
+reduce-scatters' inputs) and this rank's rows out are alive as backward ends, then the engine
+returns the rows only. A transient of one bucket, and a step that reweights a bf16/fp16 scalar
+mean after backward (reduced after it, with the flat copy, though planned as bucketed), are not
+counted.
+
 ``fsdp`` gathers each block's parameters inside the forward and the backward; no stand-in is
 made for it: the planner runs the sharded step itself on fake shards
 (:mod:`ftrain.memory.fake_fsdp`).
@@ -29,10 +39,27 @@ import torch
 
 from ftrain import tree
 from ftrain.optim.base import GradientTransformation, accepts_inplace
-from ftrain.step import Transform
-from ftrain.step.capabilities import COMBINES_ROWS
+from ftrain.step import AutogradEngine, Transform
+from ftrain.step.capabilities import (
+    COMBINES_ROWS,
+    COMPILES,
+    DATA_PARALLEL_OVER,
+    SCALES_LOSS,
+    SPLITS_MATRICES,
+)
 
-__all__ = ["ShardLayout", "rows"]
+__all__ = ["ShardLayout", "reduces_in_buckets", "rows"]
+
+# the real step reduces after backward under these (no hand-over hooks, reweighted or DTensors)
+_AFTER_BACKWARD = (SCALES_LOSS, COMPILES, SPLITS_MATRICES, DATA_PARALLEL_OVER)
+
+
+def reduces_in_buckets(transforms, bucket_mb) -> bool:
+    """Whether ``ft.shard`` (ddp, zero1, zero2) with ``bucket_mb`` reduces the gradients in
+    buckets during backward in a step of ``transforms``: not with None, nor under fp16 loss
+    scaling, ``ft.compile`` or tensor/pipeline parallelism (reduced after backward there)."""
+    caps = [t.capabilities() for t in transforms]
+    return bucket_mb is not None and not any(c in cs for c in _AFTER_BACKWARD for cs in caps)
 
 
 def rows(n: int, world: int, rank: int) -> tuple[int, int]:
@@ -79,6 +106,7 @@ class ShardLayout(Transform):
     strategy: str
     world: int
     rank: int
+    bucketed: bool = False  # reduced in buckets during backward (module docstring)
 
     name = "shard"
 
@@ -91,7 +119,14 @@ class ShardLayout(Transform):
     def capabilities(self):
         return {COMBINES_ROWS: ""}
 
+    def engine(self, engine):
+        if not self.bucketed or not isinstance(engine, AutogradEngine):
+            return engine
+        return _InBackward(engine, self)
+
     def reduce(self, grads, sums):
+        if self.bucketed:  # by the engine's buckets (_InBackward): only the loss sums here
+            return grads, sums.clone()
         if self.strategy in ("ddp", "zero1"):
             *summed, total = _flat_views([*grads, sums], [*(tuple(g.shape) for g in grads), (2,)])
             return summed, total
@@ -128,3 +163,24 @@ class ShardLayout(Transform):
             return tree.unflatten(updates, gathered), new_state
 
         return GradientTransformation(optimizer.init, update)
+
+
+class _InBackward:
+    """The gradient engine of a bucketed :class:`ShardLayout`: ``inner``'s, with its gradients
+    replaced as the buckets leave them (the module docstring); the whole ones are freed when it
+    returns, as the real step frees its buckets' inputs."""
+
+    def __init__(self, inner, layout: ShardLayout) -> None:
+        self.inner, self.layout = inner, layout
+
+    def __call__(self, forward, params, pieces, scale):
+        out = self.inner(forward, params, pieces, scale)
+        grads = out.grads
+        if self.layout.strategy == "zero2":  # this rank's rows out, the whole buckets freed
+            world, rank = self.layout.world, self.layout.rank
+            whole = [g.contiguous() for g in grads]
+            return out._replace(
+                grads=_flat_views(whole, [local_shape(g.shape, world, rank) for g in whole]),
+                owned=True,
+            )
+        return out._replace(grads=[g.view(g.shape) for g in grads], owned=True)

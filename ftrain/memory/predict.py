@@ -27,7 +27,7 @@ from tensordict import TensorDictBase
 from ftrain import tree
 from ftrain.distributed.pipeline.runner import StageInput
 from ftrain.memory.fake_fsdp import backend_transient, fake_fsdp_state
-from ftrain.memory.one_rank import ShardLayout, rows
+from ftrain.memory.one_rank import ShardLayout, reduces_in_buckets, rows
 from ftrain.memory.pipeline_plan import planned_pipeline
 from ftrain.memory.report import MemoryReport
 from ftrain.memory.tracker import (
@@ -195,7 +195,9 @@ def memory(
         transient = backend_transient(shard.mesh)
     else:
         if shard is not None:
-            layout = ShardLayout(shard.strategy, shard.mesh.size(), shard.mesh.get_local_rank())
+            bucketed = reduces_in_buckets(step.transforms, getattr(shard, "bucket_mb", None))
+            mesh = shard.mesh
+            layout = ShardLayout(shard.strategy, mesh.size(), mesh.get_local_rank(), bucketed)
             plain = layout(plain)
         state = _fake_state(state, plain, mode, layout, placed)
         with mode:  # the state as the step holds it (ft.offload's optimizer state on the host)

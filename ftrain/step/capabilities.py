@@ -197,8 +197,9 @@ def check_combination(transforms: Sequence[Transform]) -> None:
 
 def check_engines(changed: Sequence[Transform]) -> None:
     """``changed``: the transforms whose ``engine`` hook changed what the engine computes (one
-    that only hands the default engine a gradient sink, ``ft.offload``'s, is not among them: a
-    replaced engine drops the sink and the gradients are the same). One that declares
+    that only hands the default engine a gradient sink or reducer, ``ft.offload``'s copies or
+    ``ft.shard``'s buckets, is not among them: a replaced engine drops it and the gradients are
+    the same once the step's reduce hooks have run). One that declares
     ``REPLACES_ENGINE`` computes the gradients its own way, so no other may change the engine
     (in either order: a later one could drop what the replaced engine does, e.g. DP-SGD's
     clipping, and keep the rest)."""

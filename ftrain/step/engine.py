@@ -27,6 +27,7 @@ __all__ = [
     "GradEngine",
     "AutogradEngine",
     "GradientSink",
+    "GradientReducer",
     "BackwardPlan",
     "backward_plan",
     "nonzero",
@@ -85,6 +86,27 @@ class GradientSink(Protocol):
         """The ``n`` gradients taken (one per param), in the params' leaf order, ready to be read
         (copies finished); called once backward has returned. The step reads them, never writes them, and only
         until the engine's next call (a sink may reuse its buffers then)."""
+
+
+class GradientReducer(Protocol):
+    """Where :class:`AutogradEngine` hands each parameter's final *local* gradient when a
+    transform reduces the gradients across processes (``ft.shard``'s ddp/zero1/zero2 buckets): the
+    reduction then runs during backward, and the engine returns the reduced gradients, in fresh
+    buffers the step may overwrite, marked so that the transform's ``reduce`` hook knows (it
+    reduces only what the engine did not)."""
+
+    def holds(self, params: Sequence[torch.Tensor]) -> bool:
+        """Whether it can reduce the gradients of ``params`` (the engine's leaves); where not,
+        the engine does not use it for that backward, and the ``reduce`` hook reduces them."""
+
+    def laid_out(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """``params`` laid out as their reduced gradients will be: what a sink after it (a
+        :class:`GradientSink`) is asked whether it :meth:`~GradientSink.holds`."""
+
+    def start(self, params: Sequence[torch.Tensor], then: GradientSink | None) -> GradientSink:
+        """A sink for one backward over ``params``: it takes the final local gradients, reduces
+        them, and hands each reduced one on to ``then`` (when given) during backward; its
+        ``result`` is the reduced gradients (``then``'s result where given)."""
 
 
 class BackwardPlan:
@@ -188,6 +210,14 @@ class AutogradEngine:
     there the sink is not used. With ``reduced_in_backward`` alone (``ft.shard``'s fsdp: each
     block's gradients reduce-scattered as its backward ends) the gradient autograd hands a leaf
     is this rank's reduced shard (a DTensor), final once handed: the sink gets it per block.
+
+    With a ``reducer`` (:class:`GradientReducer`, :meth:`reducing`: ``ft.shard``'s ddp, zero1 and
+    zero2, which reduce after backward) the same hook hands each final local gradient to the
+    reducer instead, which reduces it across processes during backward; the engine returns the
+    reduced gradients, and a ``sink`` given too gets them from the reducer (``ft.offload``'s
+    copies then follow each bucket's reduction). Not for a reweighted micro-batch, while
+    ``torch.compile`` traces, for fake params, or where the reducer does not hold the params
+    (tensor-parallel DTensors): there the step's ``reduce`` hook reduces them after backward.
     """
 
     def __init__(
@@ -195,38 +225,56 @@ class AutogradEngine:
         reduced_in_backward: bool = False,
         reduced_after: bool = False,
         sink: GradientSink | None = None,
+        reducer: GradientReducer | None = None,
     ):
         self.reduced_in_backward = reduced_in_backward
         self.reduced_after = reduced_after
         self.sink = sink
+        self.reducer = reducer
 
     def handing_over(self, sink: GradientSink) -> AutogradEngine:
-        """This engine with ``sink`` (see the class docstring); itself where the step reduces
-        or sums gradients across processes after backward (no gradient of its own is final)."""
-        if self.reduced_after:
-            return self
-        return AutogradEngine(self.reduced_in_backward, self.reduced_after, sink)
+        """This engine with ``sink`` (see the class docstring). It is used where the engine's
+        gradients are the step's final ones: not where the step reduces or sums gradients across
+        processes after backward, unless a reducer reduces them in backward (given before or
+        after the sink)."""
+        return AutogradEngine(self.reduced_in_backward, self.reduced_after, sink, self.reducer)
+
+    def reducing(self, reducer: GradientReducer) -> AutogradEngine:
+        """This engine with ``reducer``: the gradients reduced across processes during the last
+        backward (see the class docstring); a sink it has gets the reduced ones."""
+        return AutogradEngine(self.reduced_in_backward, self.reduced_after, self.sink, reducer)
 
     def adds_sink_to(self, before: object) -> bool:
-        """Whether this engine is ``before`` (an AutogradEngine without a sink) with a sink
-        added: the same gradients, so a transform that replaces the engine may drop it."""
+        """Whether this engine is ``before`` (an AutogradEngine) with a sink or a reducer added:
+        the same gradients once the step's ``reduce`` hooks have run, so a transform that
+        replaces the engine may drop them."""
         return (
             isinstance(before, AutogradEngine)
-            and before.sink is None
-            and self.sink is not None
             and (self.reduced_in_backward, self.reduced_after)
             == (before.reduced_in_backward, before.reduced_after)
+            and before.sink in (None, self.sink)
+            and before.reducer in (None, self.reducer)
+            and (self.sink, self.reducer) != (before.sink, before.reducer)
         )
 
-    def _sinks(self, leaves: list[torch.Tensor]) -> bool:
-        return (
-            self.sink is not None
-            and not torch.compiler.is_compiling()
-            # ft.memory's fake tensors plan without it; DTensors only where reduced in backward
-            and not any(isinstance(t, FakeTensor) for t in leaves)
-            and (self.reduced_in_backward or not any(hasattr(t, "placements") for t in leaves))
-            and self.sink.holds(leaves)
-        )
+    def _receiver(self, leaves: list[torch.Tensor]) -> tuple[GradientSink, bool] | None:
+        """The sink the last backward hands the gradients over to, and whether what it returns
+        is the step's to overwrite; None where the engine hands nothing over."""
+        if (self.sink is None and self.reducer is None) or torch.compiler.is_compiling():
+            return None
+        if any(isinstance(t, FakeTensor) for t in leaves):  # ft.memory's plan: without them
+            return None
+        if self.reducer is not None and self.reducer.holds(leaves):
+            then = self.sink
+            if then is not None and not then.holds(self.reducer.laid_out(leaves)):
+                then = None  # copied after the reduction, by the transform's own hook
+            return self.reducer.start(leaves, then), then is None
+        if self.sink is None or self.reduced_after:  # changed after backward: not final
+            return None
+        # DTensors only where reduced in backward
+        if not self.reduced_in_backward and any(hasattr(t, "placements") for t in leaves):
+            return None
+        return (self.sink, False) if self.sink.holds(leaves) else None
 
     def __call__(
         self,
@@ -248,9 +296,11 @@ class AutogradEngine:
                 loss, low_mean = forward(p_in, piece)
             # a loss scale forces it; a low-precision mean only where gradients stay local
             plan.reweight = scale is not None or (low_mean and not self.reduced_in_backward)
-            if not plan.reweight and k == len(pieces) - 1 and self._sinks(leaves):
+            last = not plan.reweight and k == len(pieces) - 1
+            receiver = self._receiver(leaves) if last else None
+            if receiver is not None:
                 # the last backward: each final gradient handed over as autograd produces it
-                grads, owned = _hand_over(self.sink, loss.total, leaves, grads), False
+                grads, owned = _hand_over(receiver[0], loss.total, leaves, grads), receiver[1]
             else:
                 grads, owned = _add_backward(loss, leaves, plan.reweight, scale, grads, owned)
             t, c = loss.total.detach().float(), loss.count.detach()
@@ -260,8 +310,7 @@ class AutogradEngine:
 
     def __repr__(self) -> str:
         args = [f"{k}=True" for k in ("reduced_in_backward", "reduced_after") if getattr(self, k)]
-        if self.sink is not None:
-            args.append(f"sink={self.sink!r}")
+        args += [f"{k}={getattr(self, k)!r}" for k in ("sink", "reducer") if getattr(self, k)]
         return f"AutogradEngine({', '.join(args)})"
 
 

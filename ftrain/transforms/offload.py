@@ -19,14 +19,19 @@ Hooks (``ft.Transform``; ``step.explain()`` shows them):
   last blocks run while the first blocks' backward still computes, and each device gradient is
   freed once its copy is done. Only where the engine's gradients are final: in one process
   (plain, ``accumulate``: the copy of the last micro-batch's whole sum only, ``checkpoint``,
-  ``autocast`` without a loss scale), and under ``ft.shard``'s fsdp, where each block's reduced
-  shards reach the sink one block after their reduce-scatter (fsdp's ``overlap.Handoff``),
-  on a mesh whose group reduces host tensors too (gloo, or
+  ``autocast`` without a loss scale); under ``ft.shard``'s fsdp, where each block's reduced
+  shards reach the sink one block after their reduce-scatter (fsdp's ``overlap.Handoff``); and
+  under ddp, zero1 and zero2, which reduce the gradients in buckets during backward: the sink
+  comes after the buckets' reducer (``AutogradEngine.reducing``, offload inside or outside
+  ``ft.shard``), and each bucket's reduced gradients reach it one bucket after their all-reduce or
+  reduce-scatter starts (``ftrain.distributed.data_parallel.buckets``). Sharded gradients (fsdp's,
+  zero2's) are copied in backward on a mesh whose group reduces host tensors too (gloo, or
   ``"cpu:gloo,cuda:nccl"``: :meth:`HostCopies.holds`). Not where something changes them after
-  backward: ddp/zero1/zero2 (they reduce after backward), tensor or pipeline parallelism, fp16
-  loss scaling, a bf16/fp16 mean in one process (reweighted after backward), ``ft.compile``
-  (hooks inside a traced backward), a replaced engine (``vmap``, ``dp_sgd``) or ``ft.memory``'s
-  fake tensors: there the gradients hook below copies them, after the reduction.
+  backward: ddp/zero1/zero2 with ``bucket_mb=None`` (they reduce after backward), tensor or
+  pipeline parallelism, fp16 loss scaling, a bf16/fp16 mean (reweighted after backward; reduced
+  after it under ddp/zero1/zero2), ``ft.compile`` (hooks inside a traced backward), a replaced
+  engine (``vmap``, ``dp_sgd``) or ``ft.memory``'s fake tensors: there the gradients hook below
+  copies them, after the reduction.
 * ``gradients`` (``"optimizer+gradients"``): copies the gradients to the host as soon as the
   step holds its final ones, right after the reduction across processes (so NCCL always reduces
   device tensors) and before the other ``gradients`` hooks and the update, which then read them
@@ -50,8 +55,9 @@ host-to-host, the same code runs, and the result is bitwise that of the step wit
 the side stream and pinned buffers are exercised by the CUDA tests only; the params are copied to
 the host each step (into pinned buffers reused by :func:`offloaded`; a host master copy would
 save that copy); fsdp's per-block copies run on one rank in the CUDA test only (several GPUs
-and a ``"cpu:gloo,cuda:nccl"`` group are untested); and fp16 loss scaling's skip flag (a device
-tensor) has not been run against host state.
+and a ``"cpu:gloo,cuda:nccl"`` group are untested), and ddp/zero2's per-bucket copies on gloo
+ranks only (NCCL's buckets and the side stream together are untested); and fp16 loss scaling's
+skip flag (a device tensor) has not been run against host state.
 """
 
 from __future__ import annotations
@@ -349,7 +355,8 @@ def offload(step: Step, mode: str = "optimizer") -> Step:
             during backward, each as soon as autograd has produced it, into pinned buffers
             reused across steps, so the copies overlap the rest of the backward and each
             device gradient is freed early; under fsdp the same, each block's shards once
-            reduce-scattered; under ddp/zero1/zero2 right after the reduction).
+            reduce-scattered; under ddp/zero1/zero2 each bucket's gradients once reduced, during
+            backward).
 
     What moves where, per step: the gradients and the params device-to-host, the new params
     host-to-device (3x the params' bytes over PCIe); the optimizer state (2x the params' bytes

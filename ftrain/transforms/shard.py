@@ -13,19 +13,36 @@ are split). Checked against ddp: ``sgd``, ``adam``, ``adamw``, ``lion`` and ``ad
 same bits under zero1/zero2/fsdp; ``lamb`` and clipping agree to rounding (a norm summed over
 shards); ``adafactor`` equals one process to 1e-5.
 
+When gradients are reduced: ddp, zero1 and zero2 during the last micro-batch's backward, in
+buckets of ``bucket_mb`` MiB (``ftrain.distributed.data_parallel.buckets``): the engine hands each
+param's final local gradient (every micro-batch's sum) to the bucket reducer as soon as autograd
+has it, and each full bucket's all-reduce (zero2: reduce-scatter) is started asynchronously, in
+one order on every rank, while backward goes on; all are waited before the update, and the loss
+total and count are all-reduced after backward (two floats). ``bucket_mb=None``, and every case
+where the engine cannot hand the gradients over (below: fp16 loss scaling, a bf16/fp16 mean loss,
+``ft.compile``, tensor parallelism, a replaced engine, ``ft.memory``'s fake tensors), reduce all of
+them after backward, in one flat collective per dtype. ``fsdp`` reduce-scatters each block's
+gradients as its backward ends.
+
 Composition:
 
-* ``ft.accumulate``: grads are reduced once per optimizer step, after the last micro-batch (ddp,
-  zero1, zero2). ``fsdp`` reduce-scatters each micro-batch's grads during its backward; the sum is
-  the same.
+* ``ft.accumulate``: grads are reduced once per optimizer step, during (or after) the last
+  micro-batch's backward (ddp, zero1, zero2). ``fsdp`` reduce-scatters each micro-batch's grads
+  during its backward; the sum is the same.
 * ``ft.checkpoint`` and ``ft.autocast`` compose in any order. Under autocast without checkpoint,
   ``fsdp`` keeps the bf16/fp16 *casts* of each block's weights for backward (autocast makes them);
   with ``ft.checkpoint`` nothing of them is kept.
-* fp16 loss scaling: a step with non-finite gradients is skipped on every rank alike; under
-  ``fsdp`` the gradients are reduce-scattered once per step, after the engine reweights them.
+* fp16 loss scaling: a step with non-finite gradients is skipped on every rank alike; the
+  gradients are reduced once per step, after the engine reweights them (every strategy: neither
+  the buckets nor fsdp's per-block reduce-scatters run in a reweighted backward). Under ddp, zero1
+  and zero2 so is a step whose loss function returns a bf16/fp16 scalar mean.
 * ``ft.compile`` works for ``ddp``, ``zero1`` and ``zero2`` (the collectives and DTensor break the
-  graph). It is refused for ``fsdp`` when the step is built, in either order: dynamo cannot trace
-  the per-block gathering (saved-tensor hooks, gathers during backward).
+  graph; the gradients are reduced after backward: no hooks in a traced backward). It is refused
+  for ``fsdp`` when the step is built, in either order: dynamo cannot trace the per-block
+  gathering (saved-tensor hooks, gathers during backward).
+* ``ft.offload(step, "optimizer+gradients")``, inside or outside: under ddp, zero1 and zero2 its
+  host copies follow the buckets (each bucket's reduced gradients are handed on one bucket later,
+  during backward; zero2's on a group that reduces host tensors, as under fsdp).
 * ``ft.tensor_parallel`` on a ``("dp", "tp")`` mesh: ``ft.shard(step, strategy, mesh=mesh["dp"])``
   with any strategy, inside or outside ``tp(...)``, on a state laid out by
   ``ft.shard_state(tp.shard_state(state), strategy, mesh=mesh["dp"])``. Each tp piece is split
@@ -48,6 +65,7 @@ Composition:
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import torch
@@ -57,11 +75,12 @@ from ftrain import rng, tree
 from ftrain.apply import rewritten
 from ftrain.distributed.collectives import all_reduce_flat
 from ftrain.distributed.data_parallel import dp_split, fsdp
+from ftrain.distributed.data_parallel.buckets import BUCKET_MB, BucketReducer, Reduced
 from ftrain.distributed.data_parallel.zero import check_strategy, zero_optimizer
 from ftrain.distributed.dtensor import is_dtensor, like, local, on_shards
 from ftrain.distributed.launch import check_mesh, require_group
 from ftrain.state import TrainState
-from ftrain.step import Step, Transform
+from ftrain.step import AutogradEngine, Step, Transform
 from ftrain.step.capabilities import (
     COMBINES_ROWS,
     DATA_PARALLEL,
@@ -89,6 +108,7 @@ class Shard(Transform):
     strategy: str = "ddp"
     mesh: Any = None
     prefetch: bool = True
+    bucket_mb: float | None = BUCKET_MB
 
     name = "shard"
 
@@ -98,6 +118,14 @@ class Shard(Transform):
             raise TypeError(
                 f"ft.shard(step, {self.strategy!r}, prefetch=...): prefetch must be True or "
                 f"False, got {self.prefetch!r}."
+            )
+        b = self.bucket_mb
+        number = isinstance(b, (int, float)) and not isinstance(b, bool)
+        if b is not None and not (number and math.isfinite(b) and b > 0):
+            raise ValueError(
+                f"ft.shard(step, {self.strategy!r}, bucket_mb=...): a number of MiB > 0 (the "
+                f"gradients reduced in buckets during backward) or None (all of them reduced "
+                f"after backward), got {b!r}."
             )
         require_group("shard")
         object.__setattr__(self, "mesh", check_mesh(self.mesh, "shard"))
@@ -126,6 +154,16 @@ class Shard(Transform):
         if self.strategy in ("zero1", "zero2"):
             return zero_optimizer(optimizer, self.mesh)
         return on_shards(optimizer)  # fsdp: the params, grads and state are all sharded
+
+    def engine(self, engine):
+        # ddp/zero1/zero2: the engine hands the final local gradients to buckets reduced during
+        # backward (fsdp reduce-scatters per block itself; a replaced engine is left as it is)
+        if self.strategy == "fsdp" or self.bucket_mb is None:
+            return engine
+        if not isinstance(engine, AutogradEngine):
+            return engine
+        size = max(1, int(self.bucket_mb * 2**20))
+        return engine.reducing(BucketReducer(self.strategy, self.mesh, size))
 
     def wrap(self, fn, stage: str):
         if stage != "eager":
@@ -185,6 +223,10 @@ class Shard(Transform):
     # -- reduce -------------------------------------------------------------------------------
     def reduce(self, grads, sums):
         group = self.mesh.get_group()
+        if isinstance(grads, Reduced) and grads.mesh is self.mesh:  # by the buckets, in backward
+            sums = sums.clone()
+            dist.all_reduce(sums, group=group)
+            return grads, sums
         if self.strategy in ("ddp", "zero1"):  # one flat all-reduce of grads, total and count
             # a tensor-parallel grad (a DTensor on another mesh) is summed as its local piece
             plain = [local(g) if is_dtensor(g) else g for g in grads]
@@ -213,7 +255,14 @@ def _device(state: TrainState) -> torch.device:
     return tree.first_leaf(state.params).device
 
 
-def shard(step: Step, strategy: str = "ddp", mesh: Any = None, *, prefetch: bool = True) -> Step:
+def shard(
+    step: Step,
+    strategy: str = "ddp",
+    mesh: Any = None,
+    *,
+    prefetch: bool = True,
+    bucket_mb: float | None = BUCKET_MB,
+) -> Step:
     """Data parallelism across the processes of ``mesh`` (default: all of them).
 
     Every process calls the step with its own share of the global batch and a state laid out by
@@ -234,15 +283,28 @@ def shard(step: Step, strategy: str = "ddp", mesh: Any = None, *, prefetch: bool
             one more block's whole params alive at a time, which ``ft.memory`` counts. On by
             default, as FSDP2 prefetches: on a GPU the collectives run beside the compute; on
             gloo/CPU they share the cores with it (benchmarks/RESULTS.md: the measured ratio).
+        bucket_mb: ``ddp``, ``zero1`` and ``zero2`` (fsdp reduces per block): reduce the
+            gradients during the last micro-batch's backward, in buckets of about this many MiB
+            (torch DDP's ``bucket_cap_mb``), each bucket's all-reduce (zero2: reduce-scatter)
+            started as soon as backward has produced all of its gradients, so that on a GPU
+            the communication runs beside the rest of the backward
+            (``ftrain.distributed.data_parallel.buckets``). ``None``: one reduction of all
+            gradients after backward. The same bits either way on 2 ranks (a sum of two values
+            per element); with more ranks the backend may add in another order per bucket.
+            Where the engine cannot hand the gradients over during backward (fp16 loss scaling,
+            a bf16/fp16 mean loss, ``ft.compile``, tensor parallelism) they are reduced after
+            backward, as with ``None``.
 
     **Invariant:** N processes each given 1/N of the batch (any split, any padding) give the same
     state as one process given the whole batch: fp32, 1e-5 relative after several steps, for every
     strategy and with ``accumulate``/``checkpoint``/``autocast`` composed (differences are the
-    order of floating-point sums).
+    order of floating-point sums). ``bucket_mb`` changes only when ddp/zero1/zero2 reduce: on 2
+    ranks the state and metrics are bitwise those of ``bucket_mb=None``.
 
     Raises at build time: no process group (launch with torchrun and call
     ``ft.distributed.init()``), an unknown strategy, a mesh that is not 1-D, shard applied twice,
-    shard after ``ft.compile`` (and ``fsdp`` with ``ft.compile`` in either order). At the first
+    shard after ``ft.compile`` (and ``fsdp`` with ``ft.compile`` in either order), a
+    ``bucket_mb`` that is not a number > 0 or None. At the first
     call: a state that ``ft.shard_state`` did not lay out for ``strategy``.
     """
-    return Shard(strategy, mesh, prefetch)(step)
+    return Shard(strategy, mesh, prefetch, bucket_mb)(step)

@@ -213,3 +213,76 @@ def test_a_plain_step_divides_autograds_fresh_gradients_in_place(monkeypatch):
     in_place = peak()
     monkeypatch.setattr("ftrain.step.engine.exclusive", lambda grads: False)
     assert peak() - in_place >= 0.95 * w0.numel() * 4  # small activations come and go
+
+
+class _Doubling:
+    """A GradientReducer standing in for a sum over two equal ranks: each gradient it is handed,
+    doubled, in a new tensor; it passes each on to ``then`` as soon as it has it."""
+
+    def __init__(self):
+        self.taken = []
+
+    def holds(self, params):
+        return True
+
+    def laid_out(self, params):
+        return list(params)
+
+    def start(self, params, then):
+        reducer, out = self, [None] * len(params)
+
+        class Backward:
+            def take(self, i, grad):
+                reducer.taken.append(i)
+                out[i] = grad * 2
+                if then is not None:
+                    then.take(i, out[i])
+
+            def result(self, n):
+                return out if then is None else then.result(n)
+
+        return Backward()
+
+
+class _Keeping:
+    """A GradientSink keeping what it is handed."""
+
+    def __init__(self):
+        self.got = {}
+
+    def holds(self, params):
+        return True
+
+    def take(self, i, grad):
+        self.got[i] = grad.clone()
+
+    def result(self, n):
+        return [self.got[i] for i in range(n)]
+
+
+@pytest.mark.parametrize("sink_first", [False, True])
+def test_a_reducer_gets_each_final_gradient_in_the_last_backward_and_feeds_the_sink(sink_first):
+    """The engine's returned gradients are the reducer's (its own, owned by the step), a sink
+    given before or after the reducer gets the reduced ones; every param is handed over once, in
+    the last backward only; a reweighted backward (a loss scale) does without the reducer."""
+    params, pieces = params_and_pieces()
+    plain = AutogradEngine(reduced_after=True)
+    want = plain(linear_forward(), params, pieces, None).grads
+    reducer, sink = _Doubling(), _Keeping()
+    if sink_first:  # ft.shard(ft.offload(step)): offload's engine hook runs first
+        both = plain.handing_over(sink).reducing(reducer)
+    else:
+        both = plain.reducing(reducer).handing_over(sink)
+    assert both.adds_sink_to(plain) and not plain.adds_sink_to(both)
+    alone = plain.reducing(_Doubling())
+    out = alone(linear_forward(), params, pieces, None)
+    assert out.owned and all(torch.equal(g, 2 * w) for g, w in zip(out.grads, want))
+    got = both(linear_forward(), params, pieces, None)
+    assert sorted(reducer.taken) == [0, 1, 2] and not got.owned  # the sink's buffers
+    assert all(torch.equal(g, 2 * w) for g, w in zip(got.grads, want))
+    scaled = both(linear_forward(), params, pieces, torch.tensor(4.0))
+    assert len(reducer.taken) == 3  # not used: reduced after backward by the transform
+    assert all(torch.allclose(g, 4 * w) for g, w in zip(scaled.grads, want))
+    unused = _Keeping()  # reduced after backward, no reducer: a sink alone is not used
+    plain.handing_over(unused)(linear_forward(), params, pieces, None)
+    assert unused.got == {}

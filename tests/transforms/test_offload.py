@@ -303,6 +303,7 @@ def _sharded_runs() -> dict:
                 "sink": _sink(step) is not None,
             }
     out["chain"] = {prefetch: _chain_under_fsdp(rank, prefetch) for prefetch in (True, False)}
+    out["buckets"] = {strategy: _chain_in_buckets(rank, strategy) for strategy in ("ddp", "zero2")}
     return out
 
 
@@ -355,6 +356,46 @@ def _chain_under_fsdp(rank: int, prefetch: bool) -> dict:
     }
 
 
+def _chain_in_buckets(rank: int, strategy: str) -> dict:
+    """_Headed under ddp or zero2, reduced during backward in buckets of one param each (2
+    micro-batches of this rank's 4 rows), with and without offload (the latter reduced after
+    backward); the host buffers when the last backward reaches block 0, and the reference: this
+    rank's micro-batches' gradients added, then summed over the ranks (zero2: this rank's rows)."""
+    from ftrain.distributed import shard_state, unshard_state
+
+    torch.manual_seed(0)
+    model, rows = _Headed(), torch.randn(8, 6)[4 * rank : 4 * rank + 4]
+    opt, snapshots, holder = ft.optim.sgd(0.1), [], []
+
+    def loss_fn(params, batch, mark=None):
+        out = ft.apply(model, params, batch, mark)
+        return ft.Loss(out.square().sum(), torch.tensor(float(out.numel())))
+
+    def marked(params, batch):
+        mark = lambda: snapshots.append([b.clone() for b in _sink(holder[0]).buffers])  # noqa: E731
+        return loss_fn(params, batch, mark)
+
+    plain = ft.shard(ft.accumulate(ft.train_step(loss_fn, opt), 2), strategy, bucket_mb=None)
+    off = ft.offload(ft.accumulate(ft.train_step(marked, opt), 2), "optimizer+gradients")
+    holder.append(ft.shard(off, strategy, bucket_mb=1e-6))  # a bucket per param
+    state = shard_state(ft.TrainState.create(ft.params_of(model), opt), strategy)
+    want, got = unshard_state(plain(state, rows)[0]), unshard_state(holder[0](state, rows)[0])
+    params, ref = list(model.parameters()), None
+    for piece in rows.chunk(2):
+        g = list(torch.autograd.grad(model(piece, None).square().sum(), params))
+        ref = g if ref is None else [a + b for a, b in zip(ref, g)]
+    for t in ref:
+        torch.distributed.all_reduce(t)
+    if strategy == "zero2":
+        ref = [t.chunk(2)[rank] for t in ref]
+    return {
+        "equal": all(torch.equal(a, b) for a, b in zip(ft.tree.leaves(got), ft.tree.leaves(want))),
+        "final": [b.clone() for b in _sink(holder[0]).buffers],
+        "early": snapshots[-1],
+        "ref": ref,
+    }
+
+
 @pytest.fixture(scope="module")
 def sharded_runs():
     """The file's one 2-process run (both tests below read it)."""
@@ -366,9 +407,7 @@ def test_under_shard_each_rank_offloads_its_own_shards(sharded_runs):
     for strategy in ("zero1", "zero2", "fsdp"):
         plain, off = ranks[0][strategy, False], ranks[0][strategy, True]
         assert off["sharded"], strategy  # still laid out over the ranks
-        if strategy == "zero2":  # the reduction changes them after backward: copied after it
-            assert not off["sink"], strategy
-        if strategy == "fsdp":  # each block's reduced shard copied in backward (below)
+        if strategy != "zero1":  # copied in backward: per bucket, per block (below)
             assert off["sink"], strategy
         assert plain["state"].keys() == off["state"].keys()
         for path, t in plain["state"].items():
@@ -391,6 +430,27 @@ def test_under_fsdp_each_blocks_gradient_shard_is_copied_once_reduced_during_bac
         assert len(ref) == 10 and len(early) == 8  # the head's (8, 9): not handed over yet
         for i in range(4 if prefetch else 2, 8):
             assert torch.equal(early[i], ref[i]), (rank, prefetch, i)
+        assert early[0].numel() == early[1].numel() == 0, rank
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
+def test_under_ddp_and_zero2_each_bucket_is_reduced_and_copied_during_backward(
+    sharded_runs, strategy
+):
+    """The buckets' collectives run during backward, not after it: when the last backward
+    reaches block 0, the head's and blocks 2-3's gradients (params 4..9, the first buckets) are
+    summed over the ranks and in their host buffers, a bucket behind the reduction; block 0's
+    (params 0, 1) are not handed over yet."""
+    for rank, out in enumerate(sharded_runs):
+        chain = out["buckets"][strategy]
+        assert chain["equal"], rank  # the step reduced after backward, without offload, bitwise
+        ref, final, early = chain["ref"], chain["final"], chain["early"]
+        assert [b.shape for b in final] == [r.shape for r in ref]  # zero2: this rank's rows
+        for i, (b, r) in enumerate(zip(final, ref)):
+            assert torch.equal(b, r), (rank, i)
+        assert len(early) == len(ref) == 10
+        for i in range(4, 10):
+            assert torch.equal(early[i], ref[i]), (rank, strategy, i)
         assert early[0].numel() == early[1].numel() == 0, rank
 
 

@@ -62,6 +62,30 @@ def test_n_ranks_on_parts_equal_one_process_on_the_whole_batch(
         assert got["plain_metrics"]
 
 
+@pytest.mark.parametrize("name", ["composed", "adamw"])
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2"])
+def test_buckets_reduced_during_backward_give_the_bits_of_one_reduction_after_it(
+    two_ranks, name, strategy
+):
+    """ddp/zero1/zero2 with bucket_mb (7 buckets, reduced as backward fills them) against
+    bucket_mb=None (one all-reduce or reduce-scatter after backward): bitwise, under accumulate +
+    checkpoint + autocast(bf16) ("composed") and donated AdamW with global-norm clipping
+    ("adamw"); and so with ft.offload("optimizer+gradients") inside or outside ft.shard, whose
+    host copies (one buffer per param) follow each bucket's reduction."""
+    for r in two_ranks:
+        runs = r["buckets", name, strategy]
+        want, buckets = runs["after backward"], r[name, strategy]
+        assert want["host copies"] == 0
+        for variant, got in [("buckets", buckets), *runs.items()]:
+            for part in ("params", "opt_state"):
+                for k, t in want[part].items():
+                    assert torch.equal(got[part][k], t), (variant, part, k)
+            for k in ("loss", "count", "grad_norm"):
+                assert torch.equal(got["metrics"][k], want["metrics"][k]), (variant, k)
+        for variant in ("offload inside", "offload outside"):
+            assert runs[variant]["host copies"] == len(want["params"]), variant
+
+
 def test_the_reference_is_token_weighted():
     """Guards the test above: the two halves hold different numbers of tokens."""
     counts = [int((rows_of(b, r)["target"] != -100).sum()) for b in batches() for r in (0, 1)]
@@ -118,6 +142,14 @@ def test_unknown_strategy_lists_the_legal_ones():
     step = ft.train_step(lm_loss(gpt()), sgd())
     with pytest.raises(ValueError, match="'ddp', 'zero1', 'zero2', 'fsdp'"):
         shard(step, "zero3")
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("inf"), True, "25"])
+def test_bucket_mb_must_be_a_positive_number_or_none(bad):
+    """Refused when the step is built (before the process group is looked for)."""
+    step = ft.train_step(lm_loss(gpt()), sgd())
+    with pytest.raises(ValueError, match=r"bucket_mb=\.\.\.\): a number of MiB > 0 .* or None"):
+        shard(step, "ddp", bucket_mb=bad)
 
 
 def test_prefetch_must_be_a_bool():
