@@ -26,7 +26,9 @@ Hooks (``ft.Transform``; ``step.explain()`` shows them):
   ``ft.shard``), and each bucket's reduced gradients reach it one bucket after their all-reduce or
   reduce-scatter starts (``ftrain.distributed.data_parallel.buckets``). Sharded gradients (fsdp's,
   zero2's) are copied in backward on a mesh whose group reduces host tensors too (gloo, or
-  ``"cpu:gloo,cuda:nccl"``: :meth:`HostCopies.holds`). Not where something changes them after
+  ``"cpu:gloo,cuda:nccl"``: :meth:`HostCopies.holds`; a state split over an NCCL-only group is
+  refused when the step is first called, since the host update reduces its shards' norms). Not
+  where something changes them after
   backward: ddp/zero1/zero2 with ``bucket_mb=None`` (they reduce after backward), tensor or
   pipeline parallelism, fp16 loss scaling, a bf16/fp16 mean (reweighted after backward; reduced
   after it under ddp/zero1/zero2), ``ft.compile`` (hooks inside a traced backward), a replaced
@@ -69,6 +71,7 @@ import torch.distributed as dist
 
 from ftrain import tree
 from ftrain.distributed.dtensor import from_local, is_dtensor, like, local
+from ftrain.distributed.launch import reduces_host_tensors
 from ftrain.optim.base import GradientTransformation, LeafContext, leaf_apply, leaf_update, leafwise
 from ftrain.state import TrainState
 from ftrain.step import AutogradEngine, Gradients, Step, Transform
@@ -238,10 +241,29 @@ class Offload(Transform):
 
     def init(self, state: TrainState) -> TrainState:
         leaves = tree.leaves(state.opt_state)
+        _check_host_collectives(leaves)
         if all(t.device == HOST for t in leaves):
             return state
         pin = any(t.device.type == "cuda" for t in tree.leaves(state.params))
         return state.replace(opt_state=tree.unflatten(state.opt_state, _to_host(leaves, pin)))
+
+
+def _check_host_collectives(leaves: Leaves) -> None:
+    """Refuse optimizer state split over a process group that cannot reduce host tensors (NCCL
+    alone): the host optimizer would send its shards' norms (clipping, lamb, adafactor) there."""
+    split = next((t for t in leaves if is_dtensor(t)), None)
+    if split is None:
+        return
+    mesh = split.device_mesh
+    for backend in {str(dist.get_backend(mesh.get_group(d))) for d in range(mesh.ndim)}:
+        if not reduces_host_tensors(backend):
+            raise ValueError(
+                f"ft.offload: the optimizer state is split over a {backend!r} process group, "
+                "which cannot reduce host tensors, and the offloaded update reduces its shards' "
+                "norms on the host (clipping). Fix: ft.distributed.init(backend='cpu:gloo,"
+                "cuda:nccl') (NCCL for CUDA tensors, gloo for host ones; ftrain train does so "
+                "with --offload), or offload under ft.shard(step, 'ddp')."
+            )
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -290,11 +312,12 @@ class HostCopies:
     def holds(self, params) -> bool:
         """Plain tensors, and DTensors on a mesh whose process group reduces host tensors too
         (gloo, or a group made with ``"cpu:gloo,cuda:nccl"``): the step reduces the host shards
-        it returns (their norm; clipping). An NCCL-only group does not: copied after the
-        reduction there (the ``gradients`` hook)."""
+        it returns (their norm; clipping). (A state split over an NCCL-only group is refused
+        by :meth:`Offload.init`; a gradient split over one is copied after the reduction.)"""
         meshes = {id(t.device_mesh): t.device_mesh for t in params if is_dtensor(t)}
         return all(
-            m.ndim == 1 and "gloo" in str(dist.get_backend(m.get_group())) for m in meshes.values()
+            m.ndim == 1 and reduces_host_tensors(str(dist.get_backend(m.get_group())))
+            for m in meshes.values()
         )
 
     def take(self, i: int, grad: torch.Tensor) -> None:

@@ -263,17 +263,23 @@ def _fsdp_on_cuda(backend: str) -> dict:
 
 
 def _fsdp_on_cuda_both() -> dict:
-    return {b: _fsdp_on_cuda(b) for b in ("cpu:gloo,cuda:nccl", "nccl")}
+    out = {"cpu:gloo,cuda:nccl": _fsdp_on_cuda("cpu:gloo,cuda:nccl")}
+    try:  # NCCL alone: the host update could not reduce its shards' norms
+        out["nccl"] = _fsdp_on_cuda("nccl")
+    except ValueError as e:
+        out["nccl"] = str(e)
+    return out
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (NCCL, the shards)")
 def test_on_cuda_under_fsdp_each_gradient_shard_is_copied_on_a_side_stream_into_pinned_memory():
     (out,) = run_distributed(_fsdp_on_cuda_both, world_size=1)
     both, nccl = out["cpu:gloo,cuda:nccl"], out["nccl"]
-    assert both["error"] < 1e-6 and nccl["error"] < 1e-6  # fsdp without offload
+    assert both["error"] < 1e-6  # fsdp without offload
     # a group that reduces host tensors too: each shard copied in backward
     assert both["buffers"] == [(True, "cpu")] * both["params"] and both["streams"] == ["cuda"]
-    assert nccl["buffers"] == []  # NCCL alone: copied after the reduction, by the gradients hook
+    # NCCL alone: refused at the first call (the host update reduces its shards' norms)
+    assert nccl.startswith("ft.offload: the optimizer state is split over a 'nccl'")
 
 
 # -- each rank offloads its own shards ---------------------------------------------------------
@@ -304,7 +310,27 @@ def _sharded_runs() -> dict:
             }
     out["chain"] = {prefetch: _chain_under_fsdp(rank, prefetch) for prefetch in (True, False)}
     out["buckets"] = {strategy: _chain_in_buckets(rank, strategy) for strategy in ("ddp", "zero2")}
+    out["nccl only"] = _on_an_nccl_only_group(rank)
     return out
+
+
+def _on_an_nccl_only_group(rank: int) -> str | None:
+    """The error of an offloaded zero2 step whose group says it runs NCCL alone (the backend's
+    name stubbed on this gloo group: the refusal comes before any collective)."""
+    from unittest import mock
+
+    from ftrain.distributed import shard_state
+
+    model = tiny_gpt(seq_len=8, n_head=2, bias=False)
+    step = ft.shard(ft.offload(ft.train_step(lm_loss(model), _adamw())), "zero2")
+    state = shard_state(ft.TrainState.create(ft.params_of(model), _adamw()), "zero2")
+    batch = {k: v[2 * rank : 2 * rank + 2] for k, v in lm_batch(4, length=8).items()}
+    with mock.patch.object(torch.distributed, "get_backend", lambda group=None: "nccl"):
+        try:
+            step(state, batch)
+        except ValueError as e:
+            return str(e)
+    return None
 
 
 class _Headed(_Chain):
@@ -400,6 +426,14 @@ def _chain_in_buckets(rank: int, strategy: str) -> dict:
 def sharded_runs():
     """The file's one 2-process run (both tests below read it)."""
     return run_distributed(_sharded_runs, world_size=2)
+
+
+def test_a_state_split_over_an_nccl_only_group_is_refused_with_the_fix(sharded_runs):
+    """The host update reduces its shards' norms (clipping) on the host: NCCL alone cannot."""
+    for out in sharded_runs:
+        assert out["nccl only"] is not None
+        assert out["nccl only"].startswith("ft.offload: the optimizer state is split over a 'nccl'")
+        assert "ft.distributed.init(backend='cpu:gloo,cuda:nccl')" in out["nccl only"]
 
 
 def test_under_shard_each_rank_offloads_its_own_shards(sharded_runs):
