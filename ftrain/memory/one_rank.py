@@ -44,6 +44,7 @@ from ftrain.step.capabilities import (
     COMBINES_ROWS,
     COMPILES,
     DATA_PARALLEL_OVER,
+    REPLACES_ENGINE,
     SCALES_LOSS,
     SPLITS_MATRICES,
 )
@@ -51,13 +52,14 @@ from ftrain.step.capabilities import (
 __all__ = ["ShardLayout", "reduces_in_buckets", "rows"]
 
 # the real step reduces after backward under these (no hand-over hooks, reweighted or DTensors)
-_AFTER_BACKWARD = (SCALES_LOSS, COMPILES, SPLITS_MATRICES, DATA_PARALLEL_OVER)
+_AFTER_BACKWARD = (SCALES_LOSS, COMPILES, SPLITS_MATRICES, DATA_PARALLEL_OVER, REPLACES_ENGINE)
 
 
 def reduces_in_buckets(transforms, bucket_mb) -> bool:
     """Whether ``ft.shard`` (ddp, zero1, zero2) with ``bucket_mb`` reduces the gradients in
     buckets during backward in a step of ``transforms``: not with None, nor under fp16 loss
-    scaling, ``ft.compile`` or tensor/pipeline parallelism (reduced after backward there)."""
+    scaling, ``ft.compile``, tensor/pipeline parallelism or an engine replaced (``vmap``,
+    ``dp_sgd``): reduced after backward there."""
     caps = [t.capabilities() for t in transforms]
     return bucket_mb is not None and not any(c in cs for c in _AFTER_BACKWARD for cs in caps)
 

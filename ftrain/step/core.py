@@ -94,6 +94,7 @@ class Step:
         engine = AutogradEngine(capabilities.reduces_in_backward(ts), reduced_after)
         swapped: dict[str, list[Transform]] = {"optimizer": [], "engine": []}
         replaced = []  # changed what the engine computes (not only added a gradient sink)
+        reducer_of = None  # the transform whose engine hook added the engine's reducer
         for t in ts:
             new_opt, new_engine = t.optimizer(optimizer), t.engine(engine)
             if new_opt is not optimizer:
@@ -102,8 +103,13 @@ class Step:
                 swapped["engine"].append(t)
                 if not (isinstance(new_engine, AutogradEngine) and new_engine.adds_sink_to(engine)):
                     replaced.append(t)
+                if getattr(new_engine, "reducer", None) is not getattr(engine, "reducer", None):
+                    reducer_of = t
             optimizer, engine = new_opt, new_engine
         capabilities.check_engines(replaced)
+        if isinstance(engine, AutogradEngine):  # what it may hand over in this step
+            compiled = bool(capabilities.notes(ts, capabilities.COMPILES))
+            engine = engine.trusted(compiled, per_call["reduce"][:1] == (reducer_of,))
         call: LossCall = _call_loss_fn(self.loss_fn)
         forwards = []
         for t in sorted(ts, key=capabilities.forward_rank):

@@ -244,6 +244,20 @@ class AutogradEngine:
         backward (see the class docstring); a sink it has gets the reduced ones."""
         return AutogradEngine(self.reduced_in_backward, self.reduced_after, self.sink, reducer)
 
+    def trusted(self, compiled: bool, reduced_first: bool) -> AutogradEngine:
+        """This engine without the sink and reducer a step cannot trust it with: neither under
+        ``ft.compile`` (``compiled``: a piecewise-compiled step calls the engine once per
+        micro-batch, and a piece dynamo leaves eager would hand over each one as if it were
+        the last; a rank falling back to eager alone would send buckets where the others send
+        one flat reduction), nor a reducer whose transform's ``reduce`` hook does not run first
+        (``reduced_first`` False: an earlier one, a transform of yours inside ``ft.shard``, would
+        get the reduced gradients and hand back new ones, which would be reduced again)."""
+        if compiled and (self.sink, self.reducer) != (None, None):
+            return AutogradEngine(self.reduced_in_backward, self.reduced_after)
+        if self.reducer is not None and not reduced_first:
+            return AutogradEngine(self.reduced_in_backward, self.reduced_after, self.sink)
+        return self
+
     def adds_sink_to(self, before: object) -> bool:
         """Whether this engine is ``before`` (an AutogradEngine) with a sink or a reducer added:
         the same gradients once the step's ``reduce`` hooks have run, so a transform that

@@ -292,8 +292,11 @@ def shard(
             gradients after backward. The same bits either way on 2 ranks (a sum of two values
             per element); with more ranks the backend may add in another order per bucket.
             Where the engine cannot hand the gradients over during backward (fp16 loss scaling,
-            a bf16/fp16 mean loss, ``ft.compile``, tensor parallelism) they are reduced after
-            backward, as with ``None``.
+            a bf16/fp16 mean loss, ``ft.compile``, tensor parallelism, a transform of yours with
+            a ``reduce`` hook applied inside ``ft.shard``) they are reduced after backward, as
+            with ``None``. A param some rank does not use delays its bucket and the later ones
+            to the end of backward; a step that raised during backward leaves the ranks out of
+            step (``ftrain.distributed.data_parallel.buckets``).
 
     **Invariant:** N processes each given 1/N of the batch (any split, any padding) give the same
     state as one process given the whole batch: fp32, 1e-5 relative after several steps, for every

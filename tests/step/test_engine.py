@@ -286,3 +286,46 @@ def test_a_reducer_gets_each_final_gradient_in_the_last_backward_and_feeds_the_s
     unused = _Keeping()  # reduced after backward, no reducer: a sink alone is not used
     plain.handing_over(unused)(linear_forward(), params, pieces, None)
     assert unused.got == {}
+
+
+class _Reducing(ft.Transform):
+    """A transform that reduces in the engine (a :class:`_Doubling` reducer), as ``ft.shard``'s
+    buckets do, and whose ``reduce`` hook then leaves the gradients as they are."""
+
+    name = "reducing"
+
+    def engine(self, engine):
+        return engine.reducing(_Doubling())
+
+    def reduce(self, grads, sums):
+        return grads, sums
+
+
+class _Yours(ft.Transform):
+    """A user's transform with a ``reduce`` hook that hands back new gradients."""
+
+    name = "yours"
+
+    def reduce(self, grads, sums):
+        return [g * 1.0 for g in grads], sums
+
+
+def test_a_step_keeps_the_engines_reducer_only_where_its_reduce_hook_runs_first_and_eagerly():
+    """Inside the reducer's transform, your ``reduce`` hook would get reduced gradients and hand
+    back new ones, reduced a second time: the engine then reduces nothing in backward. Under
+    ``ft.compile`` (a backward per compiled piece, or one left eager on one rank alone) neither
+    a reducer nor a sink is used."""
+    model = torch.nn.Linear(3, 2)
+
+    def loss_fn(params, batch):
+        return ft.Loss(ft.apply(model, params, batch).square().sum(), torch.tensor(1.0))
+
+    step = ft.train_step(loss_fn, optim.sgd(0.1))
+    engine = lambda s: s.resolved.gradient_engine  # noqa: E731
+    assert engine(_Reducing()(step)).reducer is not None
+    assert engine(_Yours()(_Reducing()(step))).reducer is not None  # yours runs after
+    assert engine(_Reducing()(_Yours()(step))).reducer is None  # yours would run first
+    offloaded = ft.offload(_Reducing()(step), "optimizer+gradients")
+    assert engine(offloaded).sink is not None
+    compiled = engine(ft.compile(offloaded))
+    assert (compiled.sink, compiled.reducer) == (None, None)

@@ -21,6 +21,14 @@ reducer (``ft.offload``'s host copies): then each bucket is waited one bucket la
 one starts) and its reduced gradients passed on to the sink, during backward. The rest are waited
 when backward has returned, before the step goes on.
 
+**What holds the overlap back:** the buckets start in one fixed order, so a param that some rank's
+loss does not use (a head it skips, an expert no token of its batch was routed to) fills its
+bucket only after backward, and every bucket after it waits with it: the same sums, but no
+overlap from there on. (torch's DDP rebuilds its buckets in the order the first step produced the
+gradients; these keep the params' reverse order.) And a step that raises during backward leaves
+the ranks with different buckets started: catch it and the process group is out of step, so end
+the run (as with torch's DDP), or use ``bucket_mb=None``, whose one reduction runs after backward.
+
 Cost: each gradient is copied into its bucket as autograd hands it over, and autograd's own is
 freed then, so the buckets take the gradients' place (no second gradient-sized copy, as the flat
 reduction after backward makes). ddp and zero1 return views of the buckets (fresh each step: the
@@ -192,9 +200,12 @@ class _Backward:
             if self.scatter:  # zero2: this rank's rows (a 0-d gradient whole), as dp_split's
                 placement = (d.Shard(0),) if bucket.scatter else (d.Replicate(),)
                 g = from_local(g, self.mesh, placement, shape, _contiguous_stride(shape))
-            self.out[i] = g
-            if self.then is not None:
+            if self.then is None:
+                self.out[i] = g
+            else:  # handed on: the sink's copy is the step's (its stream keeps the memory)
                 self.then.take(i, g)
+        if self.then is not None:
+            self.buckets[b] = None  # the device's reduced gradients freed, bucket by bucket
         self.passed = b + 1
 
     def result(self, n: int) -> list[torch.Tensor]:
