@@ -120,6 +120,7 @@ CONFIGS = {
     "adafactor, donated": (adafactor, {"bias": False}, lambda s: s, lambda s: s),
 }
 DONATED = ("adamw", "adafactor, donated")  # in place, as the CLI runs them
+BUCKETS_FP16 = (sgd, {}, lambda s: ft.accumulate(ft.autocast(s, torch.float16), 2), None)
 
 # fsdp with and without prefetch (section 2b): each changes when and in what order it gathers
 PREFETCH_CONFIGS = {
@@ -208,12 +209,14 @@ def on_two_ranks(tmp: str) -> dict:
             }
 
     # 1b. the buckets reduced during backward (section 1) against one reduction after backward,
-    # and with ft.offload's host copies chained after the buckets (offload inside or outside)
-    for name in ("composed", "adamw"):
-        make_opt, model_kw, transform, _ = CONFIGS[name]
+    # and with ft.offload's host copies chained after the buckets (offload inside or outside);
+    # "fp16": 2 micro-batches under a dynamic loss scale, each reweighted by its count as handed
+    for name in ("composed", "adamw", "fp16"):
+        make_opt, model_kw, transform, _ = CONFIGS.get(name) or BUCKETS_FP16
         for strategy in ("ddp", "zero1", "zero2"):
             runs = {}
-            for variant in ("after backward", "offload inside", "offload outside"):
+            alone = ("buckets",) if name == "fp16" else ()  # the others': section 1
+            for variant in ("after backward", "offload inside", "offload outside", *alone):
                 model, opt = gpt(**model_kw), make_opt()
                 step = ft.train_step(lm_loss(model), opt, donate=name in DONATED)
                 if variant == "offload inside":

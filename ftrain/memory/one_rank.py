@@ -21,9 +21,7 @@ produces it and autograd's own freed then, so no second gradient-sized copy is a
 ``reduce`` sums only the loss total and count. ddp and zero1: the engine returns the buckets (the
 same bytes as the gradients, the step's own: divided in place). zero2: the buckets (the
 reduce-scatters' inputs) and this rank's rows out are alive as backward ends, then the engine
-returns the rows only. A transient of one bucket, and a step that reweights a bf16/fp16 scalar
-mean after backward (reduced after it, with the flat copy, though planned as bucketed), are not
-counted.
+returns the rows only. A transient of one bucket is not counted.
 
 ``fsdp`` gathers each block's parameters inside the forward and the backward; no stand-in is
 made for it: the planner runs the sharded step itself on fake shards
@@ -45,21 +43,20 @@ from ftrain.step.capabilities import (
     COMPILES,
     DATA_PARALLEL_OVER,
     REPLACES_ENGINE,
-    SCALES_LOSS,
     SPLITS_MATRICES,
 )
 
 __all__ = ["ShardLayout", "reduces_in_buckets", "rows"]
 
 # the real step reduces after backward under these (no hand-over hooks, reweighted or DTensors)
-_AFTER_BACKWARD = (SCALES_LOSS, COMPILES, SPLITS_MATRICES, DATA_PARALLEL_OVER, REPLACES_ENGINE)
+_AFTER_BACKWARD = (COMPILES, SPLITS_MATRICES, DATA_PARALLEL_OVER, REPLACES_ENGINE)
 
 
 def reduces_in_buckets(transforms, bucket_mb) -> bool:
     """Whether ``ft.shard`` (ddp, zero1, zero2) with ``bucket_mb`` reduces the gradients in
-    buckets during backward in a step of ``transforms``: not with None, nor under fp16 loss
-    scaling, ``ft.compile``, tensor/pipeline parallelism or an engine replaced (``vmap``,
-    ``dp_sgd``): reduced after backward there."""
+    buckets during backward in a step of ``transforms``: not with None, nor under
+    ``ft.compile``, tensor/pipeline parallelism or an engine replaced (``vmap``, ``dp_sgd``):
+    reduced after backward there."""
     caps = [t.capabilities() for t in transforms]
     return bucket_mb is not None and not any(c in cs for c in _AFTER_BACKWARD for cs in caps)
 

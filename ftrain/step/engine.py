@@ -203,10 +203,11 @@ class AutogradEngine:
     the earlier micro-batches' sum plus this one's, the same additions in the same order as
     without a sink. Autograd keeps a zero-stride placeholder in its place, so the gradient's
     memory is freed as soon as the sink is done with it, and the engine returns the sink's
-    :meth:`~GradientSink.result`. Only where that is the step's final gradient: not when
-    ``reduced_after`` (a transform reduces the gradients across processes after the engine, or
-    splits the model over processes), nor for a micro-batch that is reweighted after its
-    backward, nor while ``torch.compile`` traces, nor for fake params (``ft.memory``'s plan);
+    :meth:`~GradientSink.result`. A reweighted micro-batch's gradient is multiplied by its count
+    as it is handed over (the multiplication the engine makes after backward otherwise, on the
+    same values). Only where that is the step's final gradient: not when ``reduced_after`` (a
+    transform reduces the gradients across processes after the engine, or splits the model over
+    processes), nor while ``torch.compile`` traces, nor for fake params (``ft.memory``'s plan);
     there the sink is not used. With ``reduced_in_backward`` alone (``ft.shard``'s fsdp: each
     block's gradients reduce-scattered as its backward ends) the gradient autograd hands a leaf
     is this rank's reduced shard (a DTensor), final once handed: the sink gets it per block.
@@ -215,9 +216,10 @@ class AutogradEngine:
     zero2, which reduce after backward) the same hook hands each final local gradient to the
     reducer instead, which reduces it across processes during backward; the engine returns the
     reduced gradients, and a ``sink`` given too gets them from the reducer (``ft.offload``'s
-    copies then follow each bucket's reduction). Not for a reweighted micro-batch, while
-    ``torch.compile`` traces, for fake params, or where the reducer does not hold the params
-    (tensor-parallel DTensors): there the step's ``reduce`` hook reduces them after backward.
+    copies then follow each bucket's reduction). Not while ``torch.compile`` traces, for fake
+    params, or where the reducer does not hold the params (tensor-parallel DTensors): there the
+    step's ``reduce`` hook reduces them after backward. Neither is used for a reweighted
+    micro-batch under ``reduced_in_backward`` (fsdp keeps its gradients local, reduced after).
     """
 
     def __init__(
@@ -310,11 +312,14 @@ class AutogradEngine:
                 loss, low_mean = forward(p_in, piece)
             # a loss scale forces it; a low-precision mean only where gradients stay local
             plan.reweight = scale is not None or (low_mean and not self.reduced_in_backward)
-            last = not plan.reweight and k == len(pieces) - 1
+            # fsdp leaves a reweighted micro-batch's gradients local: not final in backward
+            last = k == len(pieces) - 1 and not (plan.reweight and self.reduced_in_backward)
             receiver = self._receiver(leaves) if last else None
             if receiver is not None:
                 # the last backward: each final gradient handed over as autograd produces it
-                grads, owned = _hand_over(receiver[0], loss.total, leaves, grads), receiver[1]
+                target, n = _objective(loss, plan.reweight, scale)
+                grads = _hand_over(receiver[0], target, n, leaves, grads)
+                owned = receiver[1]
             else:
                 grads, owned = _add_backward(loss, leaves, plan.reweight, scale, grads, owned)
             t, c = loss.total.detach().float(), loss.count.detach()
@@ -340,9 +345,8 @@ def _add_backward(
     ``loss.total`` (times ``scale``) with respect to ``leaves``; whether the result is the
     step's to overwrite. See :class:`AutogradEngine` for ``reweight``."""
     if reweight:
-        n = nonzero(loss.count.detach().to(torch.float32))
-        factor = 1.0 / n if scale is None else scale / n
-        g = torch.autograd.grad(loss.total * factor, leaves, allow_unused=True)
+        target, n = _objective(loss, reweight, scale)
+        g = torch.autograd.grad(target, leaves, allow_unused=True)
         # weight by the count, out of place: the gradient of the sum, in fresh buffers
         with _kernels(g):
             weighted = iter(foreach.mul([x for x in g if x is not None], n))
@@ -366,20 +370,35 @@ def _add_backward(
     return grads, True
 
 
+def _objective(
+    loss: Loss, reweight: bool, scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What one micro-batch's backward differentiates, and the count its gradients are then
+    multiplied by (None: the total itself, nothing to multiply). See :class:`AutogradEngine`."""
+    if not reweight:
+        return loss.total, None
+    n = nonzero(loss.count.detach().to(torch.float32))
+    factor = 1.0 / n if scale is None else scale / n
+    return loss.total * factor, n
+
+
 def _hand_over(
     sink: GradientSink,
-    total: torch.Tensor,
+    target: torch.Tensor,
+    n: torch.Tensor | None,
     leaves: list[torch.Tensor],
     sums: list[torch.Tensor] | None,
 ) -> list[torch.Tensor]:
-    """The backward of ``total`` with each leaf's whole gradient (``sums[i]``, the earlier
-    micro-batches', plus this backward's) handed to ``sink`` as soon as autograd has it; a leaf
-    the loss does not use hands over its sum so far (zeros without one) after the backward."""
+    """The backward of ``target`` with each leaf's whole gradient (``sums[i]``, the earlier
+    micro-batches', plus this backward's, times ``n`` where given) handed to ``sink`` as soon as
+    autograd has it; a leaf the loss does not use hands over its sum so far (zeros without one)
+    after the backward."""
     taken = [False] * len(leaves)
 
     def hook(i: int):
         def take(g: torch.Tensor) -> torch.Tensor:
-            whole = g if sums is None else sums[i] + g  # the engine's add, elementwise
+            mine = g if n is None else g * n  # the engine's weighting by the count
+            whole = mine if sums is None else sums[i] + mine  # the engine's add, elementwise
             if sums is not None:
                 sums[i] = None  # dropped: the earlier sum is freed with this backward's
             sink.take(i, whole)
@@ -390,7 +409,7 @@ def _hand_over(
 
     handles = [leaf.register_hook(hook(i)) for i, leaf in enumerate(leaves)]
     try:
-        torch.autograd.grad(total, leaves, allow_unused=True)
+        torch.autograd.grad(target, leaves, allow_unused=True)
     finally:
         for h in handles:
             h.remove()

@@ -19,7 +19,8 @@ Hooks (``ft.Transform``; ``step.explain()`` shows them):
   last blocks run while the first blocks' backward still computes, and each device gradient is
   freed once its copy is done. Only where the engine's gradients are final: in one process
   (plain, ``accumulate``: the copy of the last micro-batch's whole sum only, ``checkpoint``,
-  ``autocast`` without a loss scale); under ``ft.shard``'s fsdp, where each block's reduced
+  ``autocast``, fp16 loss scaling: the engine multiplies each gradient of a reweighted
+  micro-batch by its count as it hands it over); under ``ft.shard``'s fsdp, where each block's reduced
   shards reach the sink one block after their reduce-scatter (fsdp's ``overlap.Handoff``); and
   under ddp, zero1 and zero2, which reduce the gradients in buckets during backward: the sink
   comes after the buckets' reducer (``AutogradEngine.reducing``, offload inside or outside
@@ -30,8 +31,8 @@ Hooks (``ft.Transform``; ``step.explain()`` shows them):
   refused when the step is first called, since the host update reduces its shards' norms). Not
   where something changes them after
   backward: ddp/zero1/zero2 with ``bucket_mb=None`` (they reduce after backward), tensor or
-  pipeline parallelism, fp16 loss scaling, a bf16/fp16 mean (reweighted after backward; reduced
-  after it under ddp/zero1/zero2), ``ft.compile`` (hooks inside a traced backward), a replaced
+  pipeline parallelism, fsdp under fp16 loss scaling (it reduces reweighted gradients after
+  backward), ``ft.compile`` (no hand-over in a compiled step), a replaced
   engine (``vmap``, ``dp_sgd``) or ``ft.memory``'s fake tensors: there the gradients hook below
   copies them, after the reduction.
 * ``gradients`` (``"optimizer+gradients"``): copies the gradients to the host as soon as the

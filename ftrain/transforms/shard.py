@@ -32,10 +32,11 @@ Composition:
 * ``ft.checkpoint`` and ``ft.autocast`` compose in any order. Under autocast without checkpoint,
   ``fsdp`` keeps the bf16/fp16 *casts* of each block's weights for backward (autocast makes them);
   with ``ft.checkpoint`` nothing of them is kept.
-* fp16 loss scaling: a step with non-finite gradients is skipped on every rank alike; the
-  gradients are reduced once per step, after the engine reweights them (every strategy: neither
-  the buckets nor fsdp's per-block reduce-scatters run in a reweighted backward). Under ddp, zero1
-  and zero2 so is a step whose loss function returns a bf16/fp16 scalar mean.
+* fp16 loss scaling: a step with non-finite gradients is skipped on every rank alike. ddp,
+  zero1 and zero2's buckets get each gradient multiplied by its micro-batch's count as the
+  engine hands it over (the engine's reweighting, the same values), so they reduce during
+  backward as without a loss scale; ``fsdp`` keeps a reweighted backward's gradients local and
+  reduce-scatters them once per step, after the engine reweights them.
 * ``ft.compile`` works for ``ddp``, ``zero1`` and ``zero2`` (the collectives and DTensor break the
   graph; the gradients are reduced after backward: no hooks in a traced backward). It is refused
   for ``fsdp`` when the step is built, in either order: dynamo cannot trace the per-block
@@ -291,8 +292,8 @@ def shard(
             (``ftrain.distributed.data_parallel.buckets``). ``None``: one reduction of all
             gradients after backward. The same bits either way on 2 ranks (a sum of two values
             per element); with more ranks the backend may add in another order per bucket.
-            Where the engine cannot hand the gradients over during backward (fp16 loss scaling,
-            a bf16/fp16 mean loss, ``ft.compile``, tensor parallelism, a transform of yours with
+            Where the engine cannot hand the gradients over during backward (``ft.compile``,
+            tensor parallelism, a transform of yours with
             a ``reduce`` hook applied inside ``ft.shard``) they are reduced after backward, as
             with ``None``. A param some rank does not use delays its bucket and the later ones
             to the end of backward; a step that raised during backward leaves the ranks out of

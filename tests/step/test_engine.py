@@ -264,7 +264,7 @@ class _Keeping:
 def test_a_reducer_gets_each_final_gradient_in_the_last_backward_and_feeds_the_sink(sink_first):
     """The engine's returned gradients are the reducer's (its own, owned by the step), a sink
     given before or after the reducer gets the reduced ones; every param is handed over once, in
-    the last backward only; a reweighted backward (a loss scale) does without the reducer."""
+    the last backward only, a reweighted one (a loss scale) too."""
     params, pieces = params_and_pieces()
     plain = AutogradEngine(reduced_after=True)
     want = plain(linear_forward(), params, pieces, None).grads
@@ -281,8 +281,8 @@ def test_a_reducer_gets_each_final_gradient_in_the_last_backward_and_feeds_the_s
     assert sorted(reducer.taken) == [0, 1, 2] and not got.owned  # the sink's buffers
     assert all(torch.equal(g, 2 * w) for g, w in zip(got.grads, want))
     scaled = both(linear_forward(), params, pieces, torch.tensor(4.0))
-    assert len(reducer.taken) == 3  # not used: reduced after backward by the transform
-    assert all(torch.allclose(g, 4 * w) for g, w in zip(scaled.grads, want))
+    assert len(reducer.taken) == 6  # reweighted (a loss scale): times the count as handed over
+    assert all(torch.allclose(g, 2 * 4 * w) for g, w in zip(scaled.grads, want))
     unused = _Keeping()  # reduced after backward, no reducer: a sink alone is not used
     plain.handing_over(unused)(linear_forward(), params, pieces, None)
     assert unused.got == {}

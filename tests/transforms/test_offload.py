@@ -82,6 +82,22 @@ def test_offload_composes_with_accumulate_checkpoint_and_autocast():
         assert len(_sink(offloaded).buffers) == len(ft.tree.leaves(state.params))
 
 
+@pytest.mark.parametrize("k", [1, 2])
+def test_under_fp16_loss_scaling_the_gradients_are_copied_during_backward_too(k):
+    """A loss scale reweights each micro-batch (the mean times the scale backpropagated, the
+    gradients times the count): the sink gets them multiplied as they are handed over, the same
+    values as without offload, bitwise."""
+    model, _, state = gpt_step(_adamw())
+    step = ft.accumulate(ft.autocast(ft.train_step(lm_loss(model), _adamw()), torch.float16), k)
+    state = step.init_extra(state)
+    want, m_want = _train(step, state)
+    offloaded = ft.offload(step, "optimizer+gradients")
+    got, m_got = _train(offloaded, state)
+    assert_trees_close(got, want, 0)
+    assert torch.equal(m_got["grad_norm"], m_want["grad_norm"])
+    assert len(_sink(offloaded).buffers) == len(ft.tree.leaves(state.params))
+
+
 class _Chain(nn.Module):
     """Four tanh(Linear) blocks; ``mark`` runs when backward reaches the earliest block (the
     identity after block 0 is differentiated after blocks 1-3, before block 0)."""

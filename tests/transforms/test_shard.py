@@ -62,19 +62,22 @@ def test_n_ranks_on_parts_equal_one_process_on_the_whole_batch(
         assert got["plain_metrics"]
 
 
-@pytest.mark.parametrize("name", ["composed", "adamw"])
+@pytest.mark.parametrize("name", ["composed", "adamw", "fp16"])
 @pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2"])
 def test_buckets_reduced_during_backward_give_the_bits_of_one_reduction_after_it(
     two_ranks, name, strategy
 ):
     """ddp/zero1/zero2 with bucket_mb (7 buckets, reduced as backward fills them) against
     bucket_mb=None (one all-reduce or reduce-scatter after backward): bitwise, under accumulate +
-    checkpoint + autocast(bf16) ("composed") and donated AdamW with global-norm clipping
-    ("adamw"); and so with ft.offload("optimizer+gradients") inside or outside ft.shard, whose
-    host copies (one buffer per param) follow each bucket's reduction."""
+    checkpoint + autocast(bf16) ("composed"), donated AdamW with global-norm clipping ("adamw")
+    and 2 micro-batches of fp16 with a dynamic loss scale ("fp16", each gradient multiplied by
+    its micro-batch's count as it is handed over); and so with ft.offload("optimizer+gradients")
+    inside or outside ft.shard, whose host copies (one buffer per param) follow each bucket's
+    reduction."""
     for r in two_ranks:
         runs = r["buckets", name, strategy]
-        want, buckets = runs["after backward"], r[name, strategy]
+        want = runs["after backward"]
+        buckets = runs["buckets"] if name == "fp16" else r[name, strategy]
         assert want["host copies"] == 0
         for variant, got in [("buckets", buckets), *runs.items()]:
             for part in ("params", "opt_state"):
