@@ -29,6 +29,7 @@ SHARDED = [
         (1, "none", "fp32", "adamw"),
         (2, "blocks", "bf16", "adamw"),
         (4, "selective", "fp32", "adafactor"),
+        (2, "none", "fp16", "adamw"),  # reweighted micro-batches: still reduced in buckets
     ]
 ]
 # fsdp: the compositions a formula over the unsharded step's phases missed by more than 10%
@@ -122,11 +123,15 @@ def planned_alone(step, state, batch):
 
 def measured(step, state, batch, predicted: int) -> int:
     """The real step's peak; under fsdp measured again when it is off the prediction by 10% or
-    more, and the smaller kept: gloo's worker thread may drop its reference to a collective's
-    buffers a moment after the call returns (a race that only adds to the peak, seen up to +12%
-    on these small models)."""
+    more on any rank (every rank then measures again), and the smaller kept: gloo's worker
+    thread may drop its reference to a collective's buffers a moment after the call returns (a
+    race that only adds to the peak, seen up to +12% on these small models)."""
     real = peak_bytes(step, state, batch)
-    if abs(predicted / real - 1) >= 0.10:
+    # decided together: a rank measuring again alone would send the step's collectives to
+    # another rank already in the next run (a hang, or a mismatch error)
+    again = torch.tensor([float(abs(predicted / real - 1) >= 0.10)])
+    dist.all_reduce(again, op=dist.ReduceOp.MAX)
+    if again.item():
         real = min(real, peak_bytes(step, state, batch))
     return real
 
