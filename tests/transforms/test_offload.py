@@ -360,15 +360,13 @@ class _Headed(_Chain):
         return self.head(super().forward(x, mark))
 
 
-def _chain_under_fsdp(rank: int, prefetch: bool) -> dict:
-    """_Headed under fsdp (2 micro-batches of this rank's 4 rows), with and without offload; the
-    host buffers when the last backward reaches block 0, and the reference: each micro-batch's
-    gradient summed over the ranks (all-reduce), this rank's rows, added in micro-batch order."""
-    from ftrain.distributed import shard_state, unshard_state
-
+def _marked(rank: int):
+    """_Headed, this rank's 4 of 8 rows, its loss function, and the same loss function marking
+    when the last backward reaches block 0: a snapshot then of the sink buffers of the step put
+    in ``holder`` (returned with the snapshots' list)."""
     torch.manual_seed(0)
     model, rows = _Headed(), torch.randn(8, 6)[4 * rank : 4 * rank + 4]
-    opt, snapshots, holder = ft.optim.sgd(0.1), [], []
+    snapshots, holder = [], []
 
     def loss_fn(params, batch, mark=None):
         out = ft.apply(model, params, batch, mark)
@@ -377,6 +375,29 @@ def _chain_under_fsdp(rank: int, prefetch: bool) -> dict:
     def marked(params, batch):
         mark = lambda: snapshots.append([b.clone() for b in _sink(holder[0]).buffers])  # noqa: E731
         return loss_fn(params, batch, mark)
+
+    return model, rows, loss_fn, marked, snapshots, holder
+
+
+def _buffers_against(got, want, step, snapshots, ref) -> dict:
+    """What the chain tests compare: the two states equal, the sink's buffers at the end and
+    when backward reached block 0, and the reference gradients."""
+    return {
+        "equal": all(torch.equal(a, b) for a, b in zip(ft.tree.leaves(got), ft.tree.leaves(want))),
+        "final": [b.clone() for b in _sink(step).buffers],
+        "early": snapshots[-1],
+        "ref": ref,
+    }
+
+
+def _chain_under_fsdp(rank: int, prefetch: bool) -> dict:
+    """_Headed under fsdp (2 micro-batches of this rank's 4 rows), with and without offload; the
+    host buffers when the last backward reaches block 0, and the reference: each micro-batch's
+    gradient summed over the ranks (all-reduce), this rank's rows, added in micro-batch order."""
+    from ftrain.distributed import shard_state, unshard_state
+
+    model, rows, loss_fn, marked, snapshots, holder = _marked(rank)
+    opt = ft.optim.sgd(0.1)
 
     plain = ft.shard(ft.accumulate(ft.train_step(loss_fn, opt), 2), "fsdp", prefetch=prefetch)
     off = ft.offload(ft.accumulate(ft.train_step(marked, opt), 2), "optimizer+gradients")
@@ -390,12 +411,7 @@ def _chain_under_fsdp(rank: int, prefetch: bool) -> dict:
             torch.distributed.all_reduce(t)
         g = [t.chunk(2)[rank] for t in g]
         ref = g if ref is None else [a + b for a, b in zip(ref, g)]
-    return {
-        "equal": all(torch.equal(a, b) for a, b in zip(ft.tree.leaves(got), ft.tree.leaves(want))),
-        "final": [b.clone() for b in _sink(holder[0]).buffers],
-        "early": snapshots[-1],
-        "ref": ref,
-    }
+    return _buffers_against(got, want, holder[0], snapshots, ref)
 
 
 def _chain_in_buckets(rank: int, strategy: str) -> dict:
@@ -405,17 +421,8 @@ def _chain_in_buckets(rank: int, strategy: str) -> dict:
     rank's micro-batches' gradients added, then summed over the ranks (zero2: this rank's rows)."""
     from ftrain.distributed import shard_state, unshard_state
 
-    torch.manual_seed(0)
-    model, rows = _Headed(), torch.randn(8, 6)[4 * rank : 4 * rank + 4]
-    opt, snapshots, holder = ft.optim.sgd(0.1), [], []
-
-    def loss_fn(params, batch, mark=None):
-        out = ft.apply(model, params, batch, mark)
-        return ft.Loss(out.square().sum(), torch.tensor(float(out.numel())))
-
-    def marked(params, batch):
-        mark = lambda: snapshots.append([b.clone() for b in _sink(holder[0]).buffers])  # noqa: E731
-        return loss_fn(params, batch, mark)
+    model, rows, loss_fn, marked, snapshots, holder = _marked(rank)
+    opt = ft.optim.sgd(0.1)
 
     plain = ft.shard(ft.accumulate(ft.train_step(loss_fn, opt), 2), strategy, bucket_mb=None)
     off = ft.offload(ft.accumulate(ft.train_step(marked, opt), 2), "optimizer+gradients")
@@ -430,12 +437,7 @@ def _chain_in_buckets(rank: int, strategy: str) -> dict:
         torch.distributed.all_reduce(t)
     if strategy == "zero2":
         ref = [t.chunk(2)[rank] for t in ref]
-    return {
-        "equal": all(torch.equal(a, b) for a, b in zip(ft.tree.leaves(got), ft.tree.leaves(want))),
-        "final": [b.clone() for b in _sink(holder[0]).buffers],
-        "early": snapshots[-1],
-        "ref": ref,
-    }
+    return _buffers_against(got, want, holder[0], snapshots, ref)
 
 
 @pytest.fixture(scope="module")
