@@ -15,8 +15,8 @@ zero2      ``reduce``: a flat whole copy (the reduce-scatter's input) and this r
            ``optimizer`` as zero1.
 =========  ====================================================================================
 
-``bucketed`` (:func:`reduces_in_buckets`: ``ft.shard``'s default ``bucket_mb``): the gradients are
-reduced during backward (``engine``), each copied into its bucket's flat buffer as autograd
+``bucketed`` (:func:`reduces_in_buckets`: ``ft.shard``'s default ``bucket_mb``, gradients that
+fill more than one bucket): the gradients are reduced during backward (``engine``), each copied into its bucket's flat buffer as autograd
 produces it and autograd's own freed then, so no second gradient-sized copy is alive at once and
 ``reduce`` sums only the loss total and count. ddp and zero1: the engine returns the buckets (the
 same bytes as the gradients, the step's own: divided in place). zero2: the buckets (the
@@ -36,6 +36,7 @@ import math
 import torch
 
 from ftrain import tree
+from ftrain.distributed.data_parallel.buckets import overlaps
 from ftrain.optim.base import GradientTransformation, accepts_inplace
 from ftrain.step import AutogradEngine, Transform
 from ftrain.step.capabilities import (
@@ -52,13 +53,16 @@ __all__ = ["ShardLayout", "reduces_in_buckets", "rows"]
 _AFTER_BACKWARD = (COMPILES, SPLITS_MATRICES, DATA_PARALLEL_OVER, REPLACES_ENGINE)
 
 
-def reduces_in_buckets(transforms, bucket_mb) -> bool:
-    """Whether ``ft.shard`` (ddp, zero1, zero2) with ``bucket_mb`` reduces the gradients in
-    buckets during backward in a step of ``transforms``: not with None, nor under
-    ``ft.compile``, tensor/pipeline parallelism or an engine replaced (``vmap``, ``dp_sgd``):
-    reduced after backward there."""
+def reduces_in_buckets(transforms, shard, params) -> bool:
+    """Whether ``shard`` (``ft.shard``'s transform: ddp, zero1, zero2) reduces the gradients of
+    ``params`` in buckets during backward in a step of ``transforms``: not with ``bucket_mb``
+    None, nor where they fill one bucket (``buckets.overlaps``), nor under ``ft.compile``,
+    tensor/pipeline parallelism or an engine replaced (``vmap``, ``dp_sgd``): reduced after
+    backward there."""
     caps = [t.capabilities() for t in transforms]
-    return bucket_mb is not None and not any(c in cs for c in _AFTER_BACKWARD for cs in caps)
+    if shard.bucket_mb is None or any(c in cs for c in _AFTER_BACKWARD for cs in caps):
+        return False
+    return overlaps(params, max(1, int(shard.bucket_mb * 2**20)), shard.strategy == "zero2")
 
 
 def rows(n: int, world: int, rank: int) -> tuple[int, int]:

@@ -195,7 +195,8 @@ def memory(
         transient = backend_transient(shard.mesh)
     else:
         if shard is not None:
-            bucketed = reduces_in_buckets(step.transforms, getattr(shard, "bucket_mb", None))
+            params = tree.leaves(state.params if isinstance(state, TrainState) else state)
+            bucketed = reduces_in_buckets(step.transforms, shard, params)
             mesh = shard.mesh
             layout = ShardLayout(shard.strategy, mesh.size(), mesh.get_local_rank(), bucketed)
             plain = layout(plain)

@@ -290,8 +290,10 @@ def shard(
             started as soon as backward has produced all of its gradients, so that on a GPU
             the communication runs beside the rest of the backward
             (``ftrain.distributed.data_parallel.buckets``). ``None``: one reduction of all
-            gradients after backward. The same bits either way on 2 ranks (a sum of two values
-            per element); with more ranks the backend may add in another order per bucket.
+            gradients after backward; so do gradients that fill one bucket (nothing could
+            overlap: one flat collective costs less). The same bits either way on 2 ranks (a
+            sum of two values per element); with more ranks the backend may add in another
+            order per bucket.
             Where the engine cannot hand the gradients over during backward (``ft.compile``,
             tensor parallelism, a transform of yours with
             a ``reduce`` hook applied inside ``ft.shard``) they are reduced after backward, as

@@ -46,7 +46,7 @@ import torch.distributed as dist
 from ftrain.distributed.collectives import as_sharded, layout
 from ftrain.distributed.dtensor import dtensor, from_local
 
-__all__ = ["BUCKET_MB", "BucketReducer", "Reduced", "buckets"]
+__all__ = ["BUCKET_MB", "BucketReducer", "Reduced", "buckets", "overlaps"]
 
 BUCKET_MB = 25.0  # ft.shard's default bucket size, in MiB: torch DDP's bucket_cap_mb
 
@@ -79,6 +79,13 @@ def buckets(params: Sequence[torch.Tensor], bucket_bytes: int, scatter: bool) ->
     return done
 
 
+def overlaps(params: Sequence[torch.Tensor], bucket_bytes: int, scatter: bool) -> bool:
+    """Whether ``params``' gradients fill more than one bucket: with one, its collective could
+    start only once backward is done, so the step reduces after backward instead (one flat
+    collective with the loss sums, no hook per gradient: the same bits, less overhead)."""
+    return len(buckets(params, bucket_bytes, scatter)) > 1
+
+
 class BucketReducer:
     """``ft.shard``'s gradient reducer for ``strategy`` (``"ddp"``, ``"zero1"`` or ``"zero2"``) over
     the 1-D ``mesh`` (see the module docstring). One per step object (its engine's): it remembers
@@ -95,8 +102,9 @@ class BucketReducer:
         self.plan: tuple[tuple, list[list[int]]] | None = None  # (the params' shapes, buckets)
 
     def holds(self, params: Sequence[torch.Tensor]) -> bool:
-        """Plain tensors only: a tensor-parallel DTensor's gradient is reduced after backward."""
-        return all(type(p) is torch.Tensor for p in params)
+        """Plain tensors (a tensor-parallel DTensor's gradient is reduced after backward) whose
+        gradients fill more than one bucket (:func:`overlaps`)."""
+        return all(type(p) is torch.Tensor for p in params) and len(self._plan(params)) > 1
 
     def laid_out(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """``params`` laid out as their reduced gradients will be (views, no traffic)."""
@@ -107,10 +115,13 @@ class BucketReducer:
     def start(self, params: Sequence[torch.Tensor], then=None) -> _Backward:
         """A ``GradientSink`` for one backward over ``params``, passing each reduced gradient on
         to ``then`` (a ``GradientSink``) once its bucket is waited."""
+        return _Backward(self, params, self._plan(params), then)
+
+    def _plan(self, params: Sequence[torch.Tensor]) -> list[list[int]]:
         key = tuple((p.shape, p.dtype) for p in params)
         if self.plan is None or self.plan[0] != key:
             self.plan = (key, buckets(params, self.bucket_bytes, self.strategy == "zero2"))
-        return _Backward(self, params, self.plan[1], then)
+        return self.plan[1]
 
     def __repr__(self) -> str:
         return f"BucketReducer({self.strategy!r}, {self.bucket_bytes / 2**20:g} MiB)"
