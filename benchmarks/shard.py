@@ -43,7 +43,7 @@ SECTION = "Shard"
 SECTION_2D = "Shard on a 2-D mesh"
 SECTION_PREFETCH = "Shard: fsdp prefetch"
 SECTION_BUCKETS = "Shard: ddp and zero2 reducing during backward"
-BUCKETS = (None, 25.0, 0.5)  # bucket_mb: after backward; the default (one bucket here); ~7
+BUCKETS = (None, 25.0, 0.5)  # bucket_mb: after backward; the default (one bucket here); ~9
 
 
 def _bytes(tensors) -> int:
@@ -291,13 +291,14 @@ def _main_buckets(cfg: GPTConfig, rows: int, rounds: int, quick: bool, load: flo
         f"interleaved rounds, rank 0. Load average {load:.1f} at the start and "
         f"{os.getloadavg()[0]:.1f} at the end. bucket_mb=None reduces all gradients after "
         "backward (one flat collective); a number reduces them during the last backward in "
-        f"buckets of that many MiB, each started async as backward fills it ({cut[25.0]} "
-        f"bucket(s) at 25, the default: started when the last gradient is in, so nothing "
-        f"overlaps; {cut[0.5]} at 0.5). The same bits either way. torch DDP's ratio is to "
-        "ftrain's ddp reducing after backward. On 2 CPU processes gloo's threads share the cores "
-        "with the backward, so little overlaps, and the copies into the buckets (a hook per "
-        "gradient) and the loss sums' own small all-reduce cost time; on a GPU the buckets' "
-        "collectives run on NCCL's stream beside the backward, as torch DDP's do."
+        f"buckets of that many MiB, each started async as backward fills it ({cut[0.5]} "
+        f"buckets at 0.5), where the gradients fill more than one ({cut[25.0]} at 25, the "
+        f"default{': reduced after backward, as with None' if cut[25.0] == 1 else ''}). The "
+        "same bits either way. torch DDP's ratio is to ftrain's ddp reducing after backward. On "
+        "2 CPU processes gloo's threads share the cores with the backward, so little overlaps, "
+        "and the copies into the buckets (a hook per gradient) and the loss sums' own small "
+        "all-reduce cost time; on a GPU the buckets' collectives run on NCCL's stream beside "
+        "the backward, as torch DDP's do."
     )
     text = report_buckets(results, setup)
     print(text)
