@@ -16,7 +16,8 @@ zero2      ``reduce``: a flat whole copy (the reduce-scatter's input) and this r
 =========  ====================================================================================
 
 ``bucketed`` (:func:`reduces_in_buckets`: ``ft.shard``'s default ``bucket_mb``, gradients that
-fill more than one bucket): the gradients are reduced during backward (``engine``), each copied into its bucket's flat buffer as autograd
+fill more than one bucket): the gradients are reduced during backward (``engine``), each copied
+into its bucket's flat buffer as autograd
 produces it and autograd's own freed then, so no second gradient-sized copy is alive at once and
 ``reduce`` sums only the loss total and count. ddp and zero1: the engine returns the buckets (the
 same bytes as the gradients, the step's own: divided in place). zero2: the buckets (the
@@ -36,7 +37,7 @@ import math
 import torch
 
 from ftrain import tree
-from ftrain.distributed.data_parallel.buckets import overlaps
+from ftrain.distributed.data_parallel.buckets import bucket_bytes, overlaps
 from ftrain.optim.base import GradientTransformation, accepts_inplace
 from ftrain.step import AutogradEngine, Transform
 from ftrain.step.capabilities import (
@@ -62,7 +63,7 @@ def reduces_in_buckets(transforms, shard, params) -> bool:
     caps = [t.capabilities() for t in transforms]
     if shard.bucket_mb is None or any(c in cs for c in _AFTER_BACKWARD for cs in caps):
         return False
-    return overlaps(params, max(1, int(shard.bucket_mb * 2**20)), shard.strategy == "zero2")
+    return overlaps(params, bucket_bytes(shard.bucket_mb), shard.strategy == "zero2")
 
 
 def rows(n: int, world: int, rank: int) -> tuple[int, int]:

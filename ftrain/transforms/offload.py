@@ -20,9 +20,9 @@ Hooks (``ft.Transform``; ``step.explain()`` shows them):
   freed once its copy is done. Only where the engine's gradients are final: in one process
   (plain, ``accumulate``: the copy of the last micro-batch's whole sum only, ``checkpoint``,
   ``autocast``, fp16 loss scaling: the engine multiplies each gradient of a reweighted
-  micro-batch by its count as it hands it over); under ``ft.shard``'s fsdp, where each block's reduced
-  shards reach the sink one block after their reduce-scatter (fsdp's ``overlap.Handoff``); and
-  under ddp, zero1 and zero2, which reduce the gradients in buckets during backward: the sink
+  micro-batch by its count as it hands it over); under ``ft.shard``'s fsdp, where each block's
+  reduced shards reach the sink one block after their reduce-scatter (fsdp's
+  ``overlap.Handoff``); and under ddp, zero1 and zero2, which reduce the gradients in buckets during backward: the sink
   comes after the buckets' reducer (``AutogradEngine.reducing``, offload inside or outside
   ``ft.shard``), and each bucket's reduced gradients reach it one bucket after their all-reduce or
   reduce-scatter starts (``ftrain.distributed.data_parallel.buckets``). Sharded gradients (fsdp's,
@@ -255,8 +255,7 @@ def _check_host_collectives(leaves: Leaves) -> None:
     split = next((t for t in leaves if is_dtensor(t)), None)
     if split is None:
         return
-    mesh = split.device_mesh
-    for backend in {str(dist.get_backend(mesh.get_group(d))) for d in range(mesh.ndim)}:
+    for backend in _backends(split.device_mesh):
         if not reduces_host_tensors(backend):
             raise ValueError(
                 f"ft.offload: the optimizer state is split over a {backend!r} process group, "
@@ -265,6 +264,11 @@ def _check_host_collectives(leaves: Leaves) -> None:
                 "cuda:nccl') (NCCL for CUDA tensors, gloo for host ones; ftrain train does so "
                 "with --offload), or offload under ft.shard(step, 'ddp')."
             )
+
+
+def _backends(mesh) -> set[str]:
+    """The backends of the process groups of ``mesh``'s dimensions."""
+    return {str(dist.get_backend(mesh.get_group(d))) for d in range(mesh.ndim)}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -317,7 +321,7 @@ class HostCopies:
         by :meth:`Offload.init`; a gradient split over one is copied after the reduction.)"""
         meshes = {id(t.device_mesh): t.device_mesh for t in params if is_dtensor(t)}
         return all(
-            m.ndim == 1 and reduces_host_tensors(str(dist.get_backend(m.get_group())))
+            m.ndim == 1 and all(reduces_host_tensors(b) for b in _backends(m))
             for m in meshes.values()
         )
 

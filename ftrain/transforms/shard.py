@@ -76,7 +76,12 @@ from ftrain import rng, tree
 from ftrain.apply import rewritten
 from ftrain.distributed.collectives import all_reduce_flat
 from ftrain.distributed.data_parallel import dp_split, fsdp
-from ftrain.distributed.data_parallel.buckets import BUCKET_MB, BucketReducer, Reduced
+from ftrain.distributed.data_parallel.buckets import (
+    BUCKET_MB,
+    BucketReducer,
+    Reduced,
+    bucket_bytes,
+)
 from ftrain.distributed.data_parallel.zero import check_strategy, zero_optimizer
 from ftrain.distributed.dtensor import is_dtensor, like, local, on_shards
 from ftrain.distributed.launch import check_mesh, require_group
@@ -163,7 +168,7 @@ class Shard(Transform):
             return engine
         if not isinstance(engine, AutogradEngine):
             return engine
-        size = max(1, int(self.bucket_mb * 2**20))
+        size = bucket_bytes(self.bucket_mb)
         return engine.reducing(BucketReducer(self.strategy, self.mesh, size))
 
     def wrap(self, fn, stage: str):

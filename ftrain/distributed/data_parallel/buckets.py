@@ -46,7 +46,7 @@ import torch.distributed as dist
 from ftrain.distributed.collectives import as_sharded, layout
 from ftrain.distributed.dtensor import dtensor, from_local
 
-__all__ = ["BUCKET_MB", "BucketReducer", "Reduced", "buckets", "overlaps"]
+__all__ = ["BUCKET_MB", "BucketReducer", "Reduced", "bucket_bytes", "buckets", "overlaps"]
 
 BUCKET_MB = 25.0  # ft.shard's default bucket size, in MiB: torch DDP's bucket_cap_mb
 
@@ -58,6 +58,11 @@ class Reduced(list):
     def __init__(self, grads: Sequence[torch.Tensor], mesh) -> None:
         super().__init__(grads)
         self.mesh = mesh
+
+
+def bucket_bytes(bucket_mb: float) -> int:
+    """``ft.shard``'s ``bucket_mb`` in bytes (at least one)."""
+    return max(1, int(bucket_mb * 2**20))
 
 
 def buckets(params: Sequence[torch.Tensor], bucket_bytes: int, scatter: bool) -> list[list[int]]:
