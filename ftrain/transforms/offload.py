@@ -13,28 +13,27 @@ Hooks (``ft.Transform``; ``step.explain()`` shows them):
   rank offloads its own shards.
 * ``init``: moves a state's optimizer tensors to the host (a state from
   ``ft.TrainState.create``, ``ft.load`` or ``ft.shard_state``); a state already there is kept.
-* ``engine`` (``"optimizer+gradients"``): hands the gradient engine a :class:`HostCopies`, so
-  each param's final gradient is copied to the host during the last micro-batch's backward, as
-  soon as autograd has produced it (``ftrain.step.AutogradEngine``'s sink): the copies of the
-  last blocks run while the first blocks' backward still computes, and each device gradient is
-  freed once its copy is done. Only where the engine's gradients are final: in one process
-  (plain, ``accumulate``: the copy of the last micro-batch's whole sum only, ``checkpoint``,
-  ``autocast``, fp16 loss scaling: the engine multiplies each gradient of a reweighted
-  micro-batch by its count as it hands it over); under ``ft.shard``'s fsdp, where each block's
-  reduced shards reach the sink one block after their reduce-scatter (fsdp's
-  ``overlap.Handoff``); and under ddp, zero1 and zero2, which reduce the gradients in buckets during backward: the sink
-  comes after the buckets' reducer (``AutogradEngine.reducing``, offload inside or outside
-  ``ft.shard``), and each bucket's reduced gradients reach it one bucket after their all-reduce or
-  reduce-scatter starts (``ftrain.distributed.data_parallel.buckets``). Sharded gradients (fsdp's,
-  zero2's) are copied in backward on a mesh whose group reduces host tensors too (gloo, or
-  ``"cpu:gloo,cuda:nccl"``: :meth:`HostCopies.holds`; a state split over an NCCL-only group is
-  refused when the step is first called, since the host update reduces its shards' norms). Not
-  where something changes them after
-  backward: ddp/zero1/zero2 with ``bucket_mb=None`` (they reduce after backward), tensor or
+* ``engine`` (``"optimizer+gradients"``): hands the gradient engine a :class:`HostCopies`, so each
+  param's final gradient is copied to the host during the last micro-batch's backward, as soon as
+  autograd has produced it (``ftrain.step.AutogradEngine``'s sink): the copies of the last blocks
+  run while the first blocks' backward still computes, and each device gradient is freed once its
+  copy is done. Only where the engine's gradients are final: in one process (plain,
+  ``accumulate``: the copy of the last micro-batch's whole sum only, ``checkpoint``, ``autocast``,
+  fp16 loss scaling: the engine multiplies each gradient of a reweighted micro-batch by its count
+  as it hands it over); under ``ft.shard``'s fsdp, where each block's reduced shards reach the
+  sink one block after their reduce-scatter (fsdp's ``overlap.Handoff``); and under ddp, zero1 and
+  zero2, which reduce the gradients in buckets during backward: the sink comes after the buckets'
+  reducer (``AutogradEngine.reducing``, offload inside or outside ``ft.shard``), and each bucket's
+  reduced gradients reach it one bucket after their all-reduce or reduce-scatter starts
+  (``ftrain.distributed.data_parallel.buckets``). Sharded gradients (fsdp's, zero2's) are copied
+  in backward on a mesh whose group reduces host tensors too (gloo, or ``"cpu:gloo,cuda:nccl"``:
+  :meth:`HostCopies.holds`; a state split over an NCCL-only group is refused when the step is
+  first called, since the host update reduces its shards' norms). Not where something changes them
+  after backward: ddp/zero1/zero2 with ``bucket_mb=None`` (they reduce after backward), tensor or
   pipeline parallelism, fsdp under fp16 loss scaling (it reduces reweighted gradients after
-  backward), ``ft.compile`` (no hand-over in a compiled step), a replaced
-  engine (``vmap``, ``dp_sgd``) or ``ft.memory``'s fake tensors: there the gradients hook below
-  copies them, after the reduction.
+  backward), ``ft.compile`` (no hand-over in a compiled step), a replaced engine (``vmap``,
+  ``dp_sgd``) or ``ft.memory``'s fake tensors: there the gradients hook below copies them, after
+  the reduction.
 * ``gradients`` (``"optimizer+gradients"``): copies the gradients to the host as soon as the
   step holds its final ones, right after the reduction across processes (so NCCL always reduces
   device tensors) and before the other ``gradients`` hooks and the update, which then read them
