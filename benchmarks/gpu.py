@@ -256,10 +256,12 @@ def check_loader(run: Run) -> None:
 
 
 # -- shard over NCCL: one process per GPU -----------------------------------------------------------
+BUCKET_MB = 0.05  # several buckets for the check models' gradients
 def _shard_rank(rank: int, world: int, store: str, device_type: str, tiny: bool, out: str) -> None:
     import torch.distributed as dist
 
-    backend = "nccl" if device_type == "cuda" else "gloo"
+    # NCCL for the device's tensors, gloo for the host's (ft.offload's norms under zero2)
+    backend = "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
     if device_type == "cuda":
         torch.cuda.set_device(rank)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
@@ -274,6 +276,16 @@ def _shard_rank(rank: int, world: int, store: str, device_type: str, tiny: bool,
         got, _ = ft.shard(step, strategy)(ft.shard_state(state, strategy), mine)
         d = max_diff(want.params, ft.unshard_state(got).params)
         lines.append(f"{strategy} {d:.3e}")
+    # ddp and zero2 reducing in buckets during backward (small buckets: several per step), alone
+    # and with ft.offload's host copies chained after them, against one reduction after backward
+    for strategy in ("ddp", "zero2"):
+        flat, _ = ft.shard(step, strategy, bucket_mb=None)(ft.shard_state(state, strategy), mine)
+        for name, inner in (("buckets", step), ("buckets+offload", ft.offload(step, "optimizer+gradients"))):
+            bucketed = ft.shard(inner, strategy, bucket_mb=BUCKET_MB)
+            start = bucketed.init_extra(ft.shard_state(state, strategy))
+            got, _ = bucketed(start, mine)
+            d = max_diff(ft.unshard_state(flat).params, ft.unshard_state(got).params)
+            lines.append(f"{strategy}:{name} {d:.3e}")
     dist.destroy_process_group()
     if rank == 0:
         Path(out).write_text("\n".join(lines))
@@ -302,6 +314,11 @@ def check_shard(run: Run) -> None:
     backend = "NCCL" if run.device.type == "cuda" else "gloo"
     for line in results:
         strategy, d = line.split()
+        if ":" in strategy:  # buckets against the same strategy reducing after backward
+            strategy, how = strategy.split(":")
+            run.check(f"shard {strategy} over {backend}, {how} of {BUCKET_MB} MiB vs after backward",
+                      f"max abs diff of params {float(d):.1e}", "1e-6", float(d) <= 1e-6)  # fmt: skip
+            continue
         run.check(f"shard {strategy} over {backend}, {world} process(es) vs 1 on the whole batch",
                   f"max abs diff of params {float(d):.1e}", "1e-5", float(d) <= 1e-5)  # fmt: skip
 

@@ -168,9 +168,10 @@ def offloaded(inner: GradientTransformation) -> GradientTransformation:
 
     ``init`` creates the state on the host (pinned where the params are on a CUDA device).
     ``update`` copies the gradients and params to the host, runs ``inner`` there and returns the
-    updates on the gradients' devices; the step's apply (``params + updates``, or ``inner``'s
-    fused kernel writing the params) runs on host copies of the params and writes the new ones
-    back. Both run outside ``torch.compile``'s graph.
+    updates on the params' devices (the gradients' where no params are given: ZeRO's and fsdp's
+    optimizers add them to the params themselves); the step's apply (``params + updates``, or
+    ``inner``'s fused kernel writing the params) runs on host copies of the params and writes the
+    new ones back. Both run outside ``torch.compile``'s graph.
 
     The host copies of CUDA params are made into transfer buffers that this optimizer keeps and
     reuses (pinned, one per param: the copy back to the device from them is asynchronous); so
@@ -196,7 +197,8 @@ def offloaded(inner: GradientTransformation) -> GradientTransformation:
         owned = ctx.owned or any(a is not b for a, b in zip(hu, u))  # copies are ours
         hp = None if p is None else _staged(p, staging)
         new_u, new_s = inner_update(hu, _to_host(s), hp, ctx._replace(owned=owned))
-        return _back(new_u, u, False), _pinned(new_s, s)
+        # where the params are, to be added there (under "+gradients" the grads are on the host)
+        return _back(new_u, u if p is None else p, False), _pinned(new_s, s)
 
     @torch.compiler.disable
     def apply(g: Leaves, s: Leaves, p: Leaves, ctx: LeafContext):
