@@ -257,6 +257,8 @@ def check_loader(run: Run) -> None:
 
 # -- shard over NCCL: one process per GPU -----------------------------------------------------------
 BUCKET_MB = 0.05  # several buckets for the check models' gradients
+
+
 def _shard_rank(rank: int, world: int, store: str, device_type: str, tiny: bool, out: str) -> None:
     import torch.distributed as dist
 
@@ -280,7 +282,10 @@ def _shard_rank(rank: int, world: int, store: str, device_type: str, tiny: bool,
     # and with ft.offload's host copies chained after them, against one reduction after backward
     for strategy in ("ddp", "zero2"):
         flat, _ = ft.shard(step, strategy, bucket_mb=None)(ft.shard_state(state, strategy), mine)
-        for name, inner in (("buckets", step), ("buckets+offload", ft.offload(step, "optimizer+gradients"))):
+        for name, inner in (
+            ("buckets", step),
+            ("buckets+offload", ft.offload(step, "optimizer+gradients")),
+        ):
             bucketed = ft.shard(inner, strategy, bucket_mb=BUCKET_MB)
             start = bucketed.init_extra(ft.shard_state(state, strategy))
             got, _ = bucketed(start, mine)
