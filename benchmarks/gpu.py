@@ -433,7 +433,7 @@ def bench(run: Run) -> tuple[str, list]:
     x, y = data[:, :-1].contiguous().to(run.device), data[:, 1:].contiguous().to(run.device)
     peak = matmul_peak(run)
     flops = flops_per_token(GPTConfig(**dims)) * rows * dims["seq_len"]
-    table, losses, profiles, eager = [], {}, [], {}
+    table, losses, profiles, eager, kept = [], {}, [], {}, {}
     modes = (False, True) if run.compile else (False,)
     for compiled in modes:
         sides = [("ftrain (donated step)", ftrain_side), ("PyTorch loop", torch_side)]
@@ -443,7 +443,7 @@ def bench(run: Run) -> tuple[str, list]:
             sides.append(("ftrain, backward compiled apart", ftrain_apart_side))
         for name, side in sides:
             try:
-                row, first = measure(run, side, dims, x, y, compiled)
+                row, first, alive = measure(run, side, dims, x, y, compiled)
             except Exception as e:  # noqa: BLE001 - one broken side is reported, the rest runs
                 mode = "compiled" if compiled else "eager"
                 run.check(f"bench {mode} {name}: raised",
@@ -457,23 +457,34 @@ def bench(run: Run) -> tuple[str, list]:
             print(f"  {'compiled' if compiled else 'eager'} {name}: {ms:.2f} ms/iter (host CPU "
                   f"{cpu_ms:.2f}), {mem:.2f} GiB, setup {setup:.0f} s, {syncs} host syncs",
                   flush=True)  # fmt: skip
+            kept[(compiled, name)] = (*alive, side)
             if not compiled:
                 eager[name] = side
     # eager sides timed again in the reverse order (each built anew): a row's time is the mean of
     # its two rounds, so that no side owes its ratio to where it came in the sequence
     for r in reversed([r for r in table if not r[0]]):
-        (ms, *_), _ = measure(run, eager[r[1]], dims, x, y, False)
+        (ms, *_), _, _ = measure(run, eager[r[1]], dims, x, y, False)
         print(f"  eager {r[1]}, second round: {ms:.2f} ms/iter (first {r[2]:.2f})", flush=True)
         r[2] = (r[2] + ms) / 2
         r[5], r[6] = rows * dims["seq_len"] / r[2] * 1e3, flops / (r[2] / 1e3) / peak
-    # the kernel tables last, each side built again: once the profiler has run in a process, its
-    # kernel launches cost the host more (an H200 run timed a side after two profiled ones at
-    # 41.6 ms/iter, the profiled host pace, against 30.1 ms/iter timed before any)
+    # the kernel tables and memory breakdowns last, of the sides kept from their first round:
+    # once the profiler has run in a process, its kernel launches cost the host more (an H200
+    # run timed a side after two profiled ones at 41.6 ms/iter, the profiled host pace, against
+    # 30.1 ms/iter timed before any)
     for r in table:
+        mode = "compiled" if r[0] else "eager"
+        one, _, side = kept[(r[0], r[1])]
+        label = f"{mode}_{side.__name__}"  # the dump's file names
+        profile, r[4] = kernel_table(run, one, label)
         if not r[0]:
-            profile, r[4] = profile_side(run, eager[r[1]], dims, x, y)
             profiles.append((r[1], profile))
-            print(f"  eager {r[1]}: device busy {r[4]:.2f} ms per step", flush=True)
+        lines = peak_breakdown(run, one)
+        if run.dump is not None and lines:
+            (run.dump / f"memory_{label}.txt").write_text("\n".join(lines) + "\n")
+        print(f"  {mode} {r[1]}: device busy {r[4]:.2f} ms per step", flush=True)
+        for line in lines[:7]:
+            print(f"    {line}", flush=True)
+    kept.clear()
     e_ft, e_pt = losses.get(("ftrain (donated step)", False)), losses.get(("PyTorch loop", False))
     if e_ft is not None and e_pt is not None:
         run.check("bench: ftrain's first loss vs the PyTorch loop's (same init, bf16)",
@@ -516,20 +527,55 @@ def measure(run: Run, side, dims, x, y, compiled: bool):
         else float("nan")
     )
     syncs = count_syncs(run, one)
-    del one, box
-    return (ms, cpu_ms, mem, setup, syncs), first
+    return (ms, cpu_ms, mem, setup, syncs), first, (one, box)
 
 
-def profile_side(run: Run, side, dims, x, y):
-    """An eager side built again and warmed up, then its :func:`kernel_table`: ``(rows, the
-    kernels' summed time per step in ms)``."""
-    one, box = side(run, dims, x, y, False)
-    for _ in range(2):
-        one()
+def live_at_peak(trace: list[dict]) -> tuple[int, list[dict]]:
+    """From an allocator trace (``alloc`` and ``free_*`` events, oldest first): the most bytes
+    allocated within it and live at once, and the ``alloc`` events live at that moment. Memory
+    allocated before the trace began is not counted (its frees are ignored)."""
+    live, total, best, at_peak = {}, 0, 0, {}
+    for e in trace:
+        if e["action"] == "alloc":
+            live[e["addr"]] = e
+            total += e["size"]
+            if total > best:
+                best, at_peak = total, dict(live)
+        elif e["action"] in ("free_requested", "free_completed") and e["addr"] in live:
+            total -= live.pop(e["addr"])["size"]
+    return best, list(at_peak.values())
+
+
+def peak_breakdown(run: Run, one, top: int = 25) -> list[str]:
+    """The memory one step allocates and holds at its peak, by the source line that allocated
+    it (the innermost frame outside torch: the model's, ftrain's or inductor's generated code),
+    largest first, as ``"GiB  file:line  source"`` lines; the first line is the total. From the
+    CUDA allocator's recorded history (empty on the CPU). What was allocated before the step
+    (params, optimizer state) is not counted."""
+    if run.device.type != "cuda":
+        return []
+    import linecache
+
     run.sync()
-    out = kernel_table(run, one, side.__name__)
-    del one, box
-    return out
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000)
+    try:
+        one()
+        run.sync()
+        snap = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    best, at_peak = live_at_peak(snap["device_traces"][run.device.index or 0])
+    by_line: dict[str, int] = {}
+    for e in at_peak:
+        frames = [f for f in e.get("frames", []) if "/torch/" not in f["filename"]]
+        f = frames[0] if frames else {"filename": "?", "line": 0}
+        src = linecache.getline(f["filename"], f["line"]).strip()[:90]
+        key = f"{Path(f['filename']).name}:{f['line']}  {src}"
+        by_line[key] = by_line.get(key, 0) + e["size"]
+    ranked = sorted(by_line.items(), key=lambda kv: -kv[1])[:top]
+    return [f"{best / 2**30:6.2f} GiB  allocated by the step and live at its peak"] + [
+        f"{size / 2**30:6.2f} GiB  {key}" for key, size in ranked
+    ]
 
 
 def count_syncs(run: Run, one) -> int:
@@ -560,7 +606,7 @@ def _bench_markdown(run: Run, dims, rows, peak, table) -> str:
              f"wd 0.1 on matrices). Peak: {peak / 1e12:.3g} TFLOP/s measured "
              f"({'bf16' if run.device.type == 'cuda' else 'fp32'} matmul). *host CPU*: this "
              "process's CPU time per step; *device busy*: the kernels' summed time per step "
-             "(eager; the profiler's); *syncs*: host waits on the device in one step.", "",
+             "(the profiler's); *syncs*: host waits on the device in one step.", "",
              "| mode | side | ms/iter | / PyTorch | host CPU ms | device busy ms | tokens/s | MFU | "
              "peak GiB | / PyTorch | syncs | build + warm-up s |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip

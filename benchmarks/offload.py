@@ -108,6 +108,29 @@ class WithoutSink(ft.Transform):
         return AutogradEngine(engine.reduced_in_backward, engine.reduced_after)
 
 
+def profile_sides(fns: dict, out: str, device: str) -> None:
+    """One step of each ft.offload side under torch.profiler; the whole table (by device time
+    on CUDA, host time on the CPU) in ``out/offload_<side>.txt``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    os.makedirs(out, exist_ok=True)
+    cuda = device.startswith("cuda")
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    for name, fn in fns.items():
+        if not name.startswith("ftrain offload"):
+            continue
+        fn()  # warm
+        with profile(activities=acts) as prof:
+            fn()
+        key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+        table = prof.key_averages().table(sort_by=key, row_limit=60, max_name_column_width=70)
+        path = os.path.join(
+            out, "offload_" + name.removeprefix("ftrain ").replace(" ", "_") + ".txt"
+        )
+        with open(path, "w") as f:
+            f.write(table)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu")
@@ -116,12 +139,24 @@ def main() -> int:
     ap.add_argument(
         "--threads", type=int, default=1, help="torch threads (1: see step_overhead.py)"
     )
+    ap.add_argument(
+        "--large", action="store_true",
+        help="a GPT of width 1024, 8 blocks, 8 rows of 512 tokens (101M params): on a GPU, a "
+        "backward long enough for the gradients' copies to hide behind",
+    )  # fmt: skip
+    ap.add_argument(
+        "--profile", default=None, metavar="DIR",
+        help="after timing, write the profiler's table of one step of each ft.offload side there",
+    )  # fmt: skip
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     size = (64, 2, 4, 32) if args.quick else (256, 4, 8, 128)  # width, blocks, rows, seq_len
+    size = (1024, 8, 8, 512) if args.large else size
     fns = sides(args.device, *size)
     n = 3 if args.quick else args.rounds
     got = rounds(fns, n)
+    if args.profile:  # last: a process the profiler has run in launches kernels more slowly
+        profile_sides(fns, args.profile, args.device)
     base = got["ftrain"]["wall"]
     rows = [f"| {k} | {v['wall'] * 1e3:.1f} | {v['wall'] / base:.2f}x |" for k, v in got.items()]
     per_block = got["ftrain offload+grads per block"]["wall"]
@@ -129,7 +164,8 @@ def main() -> int:
     load = os.getloadavg()[0]
     body = "\n".join(
         [
-            f"`python benchmarks/offload.py --device {args.device}` on {machine()}; load average "
+            f"`python benchmarks/offload.py --device {args.device}{' --large' if args.large else ''}"
+            f"{f' --threads {args.threads}' if args.threads != 1 else ''}` on {machine()}; load average "
             f"{load:.1f} while it ran. A GPT of width {size[0]}, {size[1]} blocks, {size[2]} rows "
             f"of {size[3]} tokens; one donated AdamW step, median of {n} rounds.",
             "",
@@ -149,7 +185,7 @@ def main() -> int:
     )
     print(body)
     if not args.quick:
-        write_section(f"Offload ({args.device})", body)
+        write_section(f"Offload ({args.device}{', large' if args.large else ''})", body)
     return 0
 
 
