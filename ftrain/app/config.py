@@ -92,6 +92,11 @@ class TrainConfig:
         "forward precision (params stay fp32); auto: bf16 on a GPU that has it, fp32 on the CPU",
         choices=PRECISIONS,
     )
+    loss_fp32: bool = _f(
+        True,
+        "the loss's log-probabilities in fp32 (exact); --no-loss-fp32: in the forward's bf16/fp16, "
+        "as F.cross_entropy under autocast (nanoGPT's): less time and memory on a GPU",
+    )
     compile: bool = _f(False, "torch.compile the whole step (slow to start on a CPU)")
     shard: str = _f("none", "data parallelism under torchrun", choices=SHARD_STRATEGIES)
     offload: str = _f(

@@ -154,14 +154,16 @@ def build_model(cfg: TrainConfig) -> GPT:
         return GPT(config)
 
 
-def make_loss_fn(model: GPT):
-    """Token cross-entropy, plus the mixture-of-experts balance loss when the model has one
-    (reported as the metric ``moe_aux_loss``)."""
+def make_loss_fn(model: GPT, fp32: bool = True):
+    """Token cross-entropy (``fp32``: its log-probabilities in fp32 whatever the forward's
+    precision; else in the logits' dtype, see ``ft.losses.cross_entropy``), plus the
+    mixture-of-experts balance loss when the model has one (reported as the metric
+    ``moe_aux_loss``)."""
 
     def loss_fn(params, batch):
         packed = {"position_ids": batch["position_ids"]} if "position_ids" in batch else {}
         logits, aux = ft.apply(model, params, batch["input"], return_aux=True, **packed)
-        ce = ft.losses.cross_entropy(logits, batch["target"])
+        ce = ft.losses.cross_entropy(logits, batch["target"], fp32=fp32)
         if not aux:
             return ce
         moe = sum(aux.values())
@@ -338,10 +340,11 @@ def build_step(
 
     Precision: ``cfg.precision`` resolved for ``cfg.device`` (``auto``: bf16 on a GPU that has
     it, fp32 on the CPU); on a GPU with TF32, fp32 matmuls use it for the step's extent
-    (``ft.autocast(tf32=True)``) unless ``--no-tf32``. fp32 on the CPU adds no transform.
+    (``ft.autocast(tf32=True)``) unless ``--no-tf32``. fp32 on the CPU adds no transform. The
+    loss's log-probabilities are fp32 unless ``--no-loss-fp32``.
     """
     cfg = placement.resolve(cfg)
-    step = ft.train_step(loss_fn or make_loss_fn(model), opt, donate=True)
+    step = ft.train_step(loss_fn or make_loss_fn(model, cfg.loss_fp32), opt, donate=True)
     lora = build_lora(cfg, model)
     if lora is not None:  # the step's params are the adapters
         step = lora(step)

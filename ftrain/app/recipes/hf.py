@@ -57,7 +57,7 @@ def build(cfg: TrainConfig, *, rank: int = 0, world: int = 1, quiet: bool = Fals
     cfg = rows.with_length(cfg, built.train, world)  # --epochs N -> max_steps, before the schedule
     opt = gpt.build_optimizer(cfg)
     state = gpt.build_state(cfg, model, opt, params)
-    step = gpt.build_step(cfg, model, opt, loss_fn=make_loss_fn(model))
+    step = gpt.build_step(cfg, model, opt, loss_fn=make_loss_fn(model, cfg.loss_fp32))
     placement.release_params(model)  # the state holds the params: the template's go to meta
     about = startup.summary(cfg, built, state, world)
     return gpt.Recipe(model, step, step.init_extra(state), built.loader, built.valid, cfg, about)
@@ -126,15 +126,16 @@ def check_model(cfg: TrainConfig, model: nn.Module, tokenizer=None) -> nn.Module
     return model
 
 
-def make_loss_fn(model: nn.Module):
+def make_loss_fn(model: nn.Module, fp32: bool = True):
     """Token cross-entropy of the model's logits against the batch's targets (already shifted by
-    the dataset; -100 is not predicted), as an ``ft.Loss``. A packed batch's ``position_ids``
-    go to the model, which then keeps attention within documents."""
+    the dataset; -100 is not predicted), as an ``ft.Loss``; ``fp32`` is
+    ``ft.losses.cross_entropy``'s. A packed batch's ``position_ids`` go to the model, which then
+    keeps attention within documents."""
 
     def loss_fn(params, batch):
         packed = {"position_ids": batch["position_ids"]} if "position_ids" in batch else {}
         logits = ft.apply(model, params, batch["input"], **packed).logits
-        return ft.losses.cross_entropy(logits, batch["target"])
+        return ft.losses.cross_entropy(logits, batch["target"], fp32=fp32)
 
     return loss_fn
 

@@ -192,9 +192,10 @@ def _processor() -> str:
 
 def describe(cfg: Any) -> str:
     """One line, printed first by ``ftrain train``: the device (its name and memory), the
-    precision (and TF32), the attention kernel, the optimizer's update kernel and the matmul
-    kernel of the resolved ``cfg``'s run (the built-in GPT's ``cfg.matmul``, as
-    ``gpt.resolve_matmul`` chose it; a ``--model-dir`` model's attention is its own)."""
+    precision (and TF32; under autocast, the loss's), the attention kernel, the optimizer's
+    update kernel and the matmul kernel of the resolved ``cfg``'s run (the built-in GPT's
+    ``cfg.matmul``, as ``gpt.resolve_matmul`` chose it; a ``--model-dir`` model's attention is
+    its own)."""
     from ftrain.models.onednn import onednn_linear_available
     from ftrain.optim import OPTIMIZERS
 
@@ -206,6 +207,8 @@ def describe(cfg: Any) -> str:
         where = f"cpu ({_processor()}, {torch.get_num_threads()} threads)"
     precision = {"fp32": "fp32", "bf16": "bf16 autocast", "fp16": "fp16 autocast + loss scale"}
     tf32 = ", TF32 matmuls" if tf32_applies(cfg) else ""
+    # under autocast, the loss's log-probabilities: fp32 unless --no-loss-fp32
+    loss = f", loss {'fp32' if cfg.loss_fp32 else cfg.precision}" if cfg.precision != "fp32" else ""
     if cfg.model_dir is None:
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision, torch.float32)
         kernel = sdpa_backend(device, dtype, cfg.d_model // cfg.n_head, dropout=cfg.dropout,
@@ -221,6 +224,6 @@ def describe(cfg: Any) -> str:
     options = inspect.signature(OPTIMIZERS[cfg.optimizer]).parameters
     update = "fused where torch has the kernel (fused=None)" if "fused" in options else "foreach"
     return (
-        f"ftrain train: device {where}; precision {precision[cfg.precision]}{tf32}; "
+        f"ftrain train: device {where}; precision {precision[cfg.precision]}{tf32}{loss}; "
         f"attention {attention}; optimizer {cfg.optimizer} {update}; matmul {matmul}"
     )

@@ -135,6 +135,28 @@ def test_the_step_gets_tf32_on_a_gpu_that_has_it_and_nothing_on_the_cpu(fake_gpu
     assert _autocasts(TrainConfig(**small, precision="fp32")) == []
 
 
+def test_no_loss_fp32_computes_the_log_probabilities_in_the_forward_precision():
+    """--no-loss-fp32 under bf16: the recipe's loss is cross_entropy(fp32=False) of the bf16
+    logits (not the default's fp32 one), and the run's first line says so."""
+    small = dict(d_model=32, n_layer=1, n_head=2, seq_len=16, device="cpu", precision="bf16")
+    batch = {"input": torch.randint(0, 257, (4, 16)), "target": torch.randint(0, 257, (4, 16))}
+    losses = {}
+    for fp32 in (True, False):
+        cfg = placement.resolve(TrainConfig(**small, loss_fp32=fp32))
+        torch.manual_seed(0)
+        model = gpt.build_model(cfg)
+        params = ft.params_of(model)
+        with torch.autocast("cpu", torch.bfloat16):
+            logits = ft.apply(model, params, batch["input"])
+        want = ft.losses.cross_entropy(logits, batch["target"], fp32=fp32)
+        step = gpt.build_step(cfg, model, gpt.build_optimizer(cfg))
+        _, metrics = step(ft.TrainState.create(params, gpt.build_optimizer(cfg)), batch)
+        assert torch.equal(metrics["loss"], want.total / want.count)
+        losses[fp32] = metrics["loss"]
+        assert f"bf16 autocast, loss {'fp32' if fp32 else 'bf16'};" in placement.describe(cfg)
+    assert not torch.equal(losses[True], losses[False])  # bf16 log-probabilities round
+
+
 def test_sdpa_backend_on_the_cpu_and_the_first_line_of_a_cpu_run():
     assert (
         placement.sdpa_backend(torch.device("cpu"), torch.float32, 64, dropout=0.0, masked=False)
