@@ -155,10 +155,8 @@ def build_model(cfg: TrainConfig) -> GPT:
 
 
 def make_loss_fn(model: GPT, fp32: bool = True):
-    """Token cross-entropy (``fp32``: its log-probabilities in fp32 whatever the forward's
-    precision; else in the logits' dtype, see ``ft.losses.cross_entropy``), plus the
-    mixture-of-experts balance loss when the model has one (reported as the metric
-    ``moe_aux_loss``)."""
+    """Token cross-entropy (``fp32`` as ``ft.losses.cross_entropy``'s), plus the mixture-of-experts
+    balance loss when the model has one (reported as the metric ``moe_aux_loss``)."""
 
     def loss_fn(params, batch):
         packed = {"position_ids": batch["position_ids"]} if "position_ids" in batch else {}
@@ -340,8 +338,7 @@ def build_step(
 
     Precision: ``cfg.precision`` resolved for ``cfg.device`` (``auto``: bf16 on a GPU that has
     it, fp32 on the CPU); on a GPU with TF32, fp32 matmuls use it for the step's extent
-    (``ft.autocast(tf32=True)``) unless ``--no-tf32``. fp32 on the CPU adds no transform. The
-    loss's log-probabilities are fp32 unless ``--no-loss-fp32``.
+    (``ft.autocast(tf32=True)``) unless ``--no-tf32``; fp32 on the CPU adds no transform.
     """
     cfg = placement.resolve(cfg)
     step = ft.train_step(loss_fn or make_loss_fn(model, cfg.loss_fp32), opt, donate=True)
