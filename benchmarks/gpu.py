@@ -266,8 +266,7 @@ BUCKET_MB = 0.05  # several buckets for the check models' gradients
 def _shard_rank(rank: int, world: int, store: str, device_type: str, tiny: bool, out: str) -> None:
     import torch.distributed as dist
 
-    # NCCL for the device's tensors, gloo for the host's (ft.offload's norms under zero2)
-    backend = "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
+    backend = "nccl" if device_type == "cuda" else "gloo"  # what ftrain train takes
     if device_type == "cuda":
         torch.cuda.set_device(rank)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
@@ -283,15 +282,23 @@ def _shard_rank(rank: int, world: int, store: str, device_type: str, tiny: bool,
         d = max_diff(want.params, ft.unshard_state(got).params)
         lines.append(f"{strategy} {d:.3e}")
     # ddp and zero2 reducing in buckets during backward (small buckets: several per step), alone
-    # and with ft.offload's host copies chained after them, against one reduction after backward
+    # and with ft.offload's host copies chained after them, against one reduction after backward;
+    # offload's on a group that reduces host tensors too (NCCL for the device's, gloo for the
+    # host's: its update reduces its shards' norms), as ftrain train --offload makes it
+    mixed = None
+    if device_type == "cuda":
+        from torch.distributed.device_mesh import DeviceMesh
+
+        group = dist.new_group(list(range(world)), backend="cpu:gloo,cuda:nccl")
+        mixed = DeviceMesh.from_group(group, "cuda")
     for strategy in ("ddp", "zero2"):
         flat, _ = ft.shard(step, strategy, bucket_mb=None)(ft.shard_state(state, strategy), mine)
-        for name, inner in (
-            ("buckets", step),
-            ("buckets+offload", ft.offload(step, "optimizer+gradients")),
+        for name, inner, mesh in (
+            ("buckets", step, None),
+            ("buckets+offload", ft.offload(step, "optimizer+gradients"), mixed),
         ):
-            bucketed = ft.shard(inner, strategy, bucket_mb=BUCKET_MB)
-            start = bucketed.init_extra(ft.shard_state(state, strategy))
+            bucketed = ft.shard(inner, strategy, mesh=mesh, bucket_mb=BUCKET_MB)
+            start = bucketed.init_extra(ft.shard_state(state, strategy, mesh=mesh))
             got, _ = bucketed(start, mine)
             d = max_diff(ft.unshard_state(flat).params, ft.unshard_state(got).params)
             lines.append(f"{strategy}:{name} {d:.3e}")
@@ -325,7 +332,8 @@ def check_shard(run: Run) -> None:
         strategy, d = line.split()
         if ":" in strategy:  # buckets against the same strategy reducing after backward
             strategy, how = strategy.split(":")
-            run.check(f"shard {strategy} over {backend}, {how} of {BUCKET_MB} MiB vs after backward",
+            group = "NCCL beside gloo" if "offload" in how and backend == "NCCL" else backend
+            run.check(f"shard {strategy} over {group}, {how} of {BUCKET_MB} MiB vs after backward",
                       f"max abs diff of params {float(d):.1e}", "1e-6", float(d) <= 1e-6)  # fmt: skip
             continue
         run.check(f"shard {strategy} over {backend}, {world} process(es) vs 1 on the whole batch",
@@ -425,7 +433,11 @@ def torch_side(run: Run, dims: dict, x, y, compiled: bool):
     return one, {"first": None}
 
 
-def bench(run: Run) -> tuple[str, list]:
+def bench(run: Run, out: dict) -> None:
+    """The GPT-2 124M sides, eager and compiled: ``out["table"]`` (markdown) and
+    ``out["profiles"]`` (the eager kernel tables) are written as each stage ends, so that a late
+    failure or a time limit keeps what was measured; a stage that raises is reported as a failed
+    check and the others go on."""
     dims = BENCH_TINY if run.tiny else BENCH
     rows = 4 if run.tiny else 12
     g = torch.Generator().manual_seed(0)
@@ -445,9 +457,7 @@ def bench(run: Run) -> tuple[str, list]:
             try:
                 row, first, alive = measure(run, side, dims, x, y, compiled)
             except Exception as e:  # noqa: BLE001 - one broken side is reported, the rest runs
-                mode = "compiled" if compiled else "eager"
-                run.check(f"bench {mode} {name}: raised",
-                          f"{type(e).__name__}: {str(e).splitlines()[0][:120]}", "-", False)  # fmt: skip
+                _raised(run, f"bench {'compiled' if compiled else 'eager'} {name}", e)
                 continue
             ms, cpu_ms, mem, setup, syncs = row
             tokens = rows * dims["seq_len"] / ms * 1e3
@@ -460,31 +470,6 @@ def bench(run: Run) -> tuple[str, list]:
             kept[(compiled, name)] = (*alive, side)
             if not compiled:
                 eager[name] = side
-    # eager sides timed again in the reverse order (each built anew): a row's time is the mean of
-    # its two rounds, so that no side owes its ratio to where it came in the sequence
-    for r in reversed([r for r in table if not r[0]]):
-        (ms, *_), _, _ = measure(run, eager[r[1]], dims, x, y, False)
-        print(f"  eager {r[1]}, second round: {ms:.2f} ms/iter (first {r[2]:.2f})", flush=True)
-        r[2] = (r[2] + ms) / 2
-        r[5], r[6] = rows * dims["seq_len"] / r[2] * 1e3, flops / (r[2] / 1e3) / peak
-    # the kernel tables and memory breakdowns last, of the sides kept from their first round:
-    # once the profiler has run in a process, its kernel launches cost the host more (an H200
-    # run timed a side after two profiled ones at 41.6 ms/iter, the profiled host pace, against
-    # 30.1 ms/iter timed before any)
-    for r in table:
-        mode = "compiled" if r[0] else "eager"
-        one, _, side = kept[(r[0], r[1])]
-        label = f"{mode}_{side.__name__}"  # the dump's file names
-        profile, r[4] = kernel_table(run, one, label)
-        if not r[0]:
-            profiles.append((r[1], profile))
-        lines = peak_breakdown(run, one)
-        if run.dump is not None and lines:
-            (run.dump / f"memory_{label}.txt").write_text("\n".join(lines) + "\n")
-        print(f"  {mode} {r[1]}: device busy {r[4]:.2f} ms per step", flush=True)
-        for line in lines[:7]:
-            print(f"    {line}", flush=True)
-    kept.clear()
     e_ft, e_pt = losses.get(("ftrain (donated step)", False)), losses.get(("PyTorch loop", False))
     if e_ft is not None and e_pt is not None:
         run.check("bench: ftrain's first loss vs the PyTorch loop's (same init, bf16)",
@@ -493,7 +478,48 @@ def bench(run: Run) -> tuple[str, list]:
     if c_ft is not None and e_ft is not None:
         run.check("compile: no recompile over 3 steps; first loss vs eager", f"{c_ft:.4f} vs {e_ft:.4f}",
                   "rel 1e-2", abs(c_ft - e_ft) <= 1e-2 * abs(e_ft))  # fmt: skip
-    return _bench_markdown(run, dims, rows, peak, table), profiles
+    out["table"] = _bench_markdown(run, dims, rows, peak, table)
+    # eager sides timed again in the reverse order (each built anew): a row's times are the means
+    # of its two rounds, so that no side owes its ratio to where it came in the sequence
+    for r in reversed([r for r in table if not r[0]]):
+        try:
+            (ms, cpu_ms, *_), _, alive = measure(run, eager[r[1]], dims, x, y, False)
+        except Exception as e:  # noqa: BLE001 - the first round's figures stay
+            _raised(run, f"bench eager {r[1]}, second round", e)
+            continue
+        del alive
+        print(f"  eager {r[1]}, second round: {ms:.2f} ms/iter (first {r[2]:.2f})", flush=True)
+        r[2], r[3] = (r[2] + ms) / 2, (r[3] + cpu_ms) / 2
+        r[5], r[6] = rows * dims["seq_len"] / r[2] * 1e3, flops / (r[2] / 1e3) / peak
+    out["table"] = _bench_markdown(run, dims, rows, peak, table)
+    # the kernel tables and memory breakdowns last, of the sides kept from their first round:
+    # once the profiler has run in a process, its kernel launches cost the host more (an H200
+    # run timed a side after two profiled ones at 41.6 ms/iter, the profiled host pace, against
+    # 30.1 ms/iter timed before any)
+    for r in table:
+        mode = "compiled" if r[0] else "eager"
+        one, _, side = kept.pop((r[0], r[1]))
+        label = f"{mode}_{side.__name__}"  # the dump's file names
+        try:
+            profile, r[4] = kernel_table(run, one, label)
+            lines = peak_breakdown(run, one)
+        except Exception as e:  # noqa: BLE001 - the timings stay
+            _raised(run, f"bench {mode} {r[1]}, profile", e)
+            continue
+        finally:
+            del one
+        if not r[0]:
+            profiles.append((r[1], profile))
+        if run.dump is not None and lines:
+            (run.dump / f"memory_{label}.txt").write_text("\n".join(lines) + "\n")
+        print(f"  {mode} {r[1]}: device busy {r[4]:.2f} ms per step", flush=True)
+        for line in lines[:7]:
+            print(f"    {line}", flush=True)
+        out["table"], out["profiles"] = _bench_markdown(run, dims, rows, peak, table), profiles
+
+
+def _raised(run: Run, what: str, e: Exception) -> None:
+    run.check(f"{what}: raised", f"{type(e).__name__}: {str(e).splitlines()[0][:120]}", "-", False)
 
 
 def measure(run: Run, side, dims, x, y, compiled: bool):
@@ -533,7 +559,8 @@ def measure(run: Run, side, dims, x, y, compiled: bool):
 def live_at_peak(trace: list[dict]) -> tuple[int, list[dict]]:
     """From an allocator trace (``alloc`` and ``free_*`` events, oldest first): the most bytes
     allocated within it and live at once, and the ``alloc`` events live at that moment. Memory
-    allocated before the trace began is not counted (its frees are ignored)."""
+    allocated before the trace began counts from its free on (the net change, as
+    ``torch.cuda.max_memory_allocated`` sees it, over the trace)."""
     live, total, best, at_peak = {}, 0, 0, {}
     for e in trace:
         if e["action"] == "alloc":
@@ -543,6 +570,8 @@ def live_at_peak(trace: list[dict]) -> tuple[int, list[dict]]:
                 best, at_peak = total, dict(live)
         elif e["action"] in ("free_requested", "free_completed") and e["addr"] in live:
             total -= live.pop(e["addr"])["size"]
+        elif e["action"] == "free_requested":  # allocated before the trace
+            total -= e["size"]
     return best, list(at_peak.values())
 
 
@@ -557,7 +586,8 @@ def peak_breakdown(run: Run, one, top: int = 25) -> list[str]:
     import linecache
 
     run.sync()
-    torch.cuda.memory._record_memory_history(max_entries=2_000_000)
+    # Python frames only: C++ frames ("??") name nothing here, and symbolising them is slow
+    torch.cuda.memory._record_memory_history(stacks="python", max_entries=2_000_000)
     try:
         one()
         run.sync()
@@ -567,10 +597,17 @@ def peak_breakdown(run: Run, one, top: int = 25) -> list[str]:
     best, at_peak = live_at_peak(snap["device_traces"][run.device.index or 0])
     by_line: dict[str, int] = {}
     for e in at_peak:
-        frames = [f for f in e.get("frames", []) if "/torch/" not in f["filename"]]
-        f = frames[0] if frames else {"filename": "?", "line": 0}
-        src = linecache.getline(f["filename"], f["line"]).strip()[:90]
-        key = f"{Path(f['filename']).name}:{f['line']}  {src}"
+        frames = [
+            f
+            for f in e.get("frames", [])
+            if f["filename"].endswith(".py") and "/torch/" not in f["filename"]
+        ]
+        if frames:
+            f = frames[0]
+            src = linecache.getline(f["filename"], f["line"]).strip()[:90]
+            key = f"{Path(f['filename']).name}:{f['line']}  {src}"
+        else:  # autograd's backward runs on a thread of its own, with no Python frames
+            key = "(no Python frame: the backward's own allocations)"
         by_line[key] = by_line.get(key, 0) + e["size"]
     ranked = sorted(by_line.items(), key=lambda kv: -kv[1])[:top]
     return [f"{best / 2**30:6.2f} GiB  allocated by the step and live at its peak"] + [
@@ -741,7 +778,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", choices=("checks", "bench"), default=None,
                    help="run only the checks or only the bench (default: both)")  # fmt: skip
     p.add_argument("--dump", default=None, metavar="DIR",
-                   help="write the profiler's whole kernel table of each eager step there")  # fmt: skip
+                   help="write there the profiler's whole kernel table of each bench side and "
+                        "(CUDA) the breakdown of the memory its step holds at its peak")  # fmt: skip
     p.add_argument("--apart", action="store_true",
                    help="also bench the step given to torch.compile itself (backward apart)")  # fmt: skip
     p.add_argument("--results", default=None, metavar="FILE",
@@ -769,15 +807,15 @@ def main(argv: list[str] | None = None) -> int:
               ("memory plan", check_memory_plan)]  # fmt: skip
     parts = {"checks": checks, "bench": [("bench", None), ("AdamW alone", None)]}
     todo = [part for key in ("checks", "bench") if args.only in (None, key) for part in parts[key]]
-    table = updates = ""
-    profiles: list = []
+    updates = ""
+    measured = {"table": "", "profiles": []}  # bench's, as far as it got
     try:
         for name, fn in todo:
             t = time.perf_counter()
             try:
                 if name == "bench":
-                    table, profiles = bench(run)
-                    print(table, flush=True)
+                    bench(run, measured)
+                    print(measured["table"], flush=True)
                 elif name == "AdamW alone":
                     updates = adamw_alone(run)
                     print(updates, flush=True)
@@ -791,7 +829,8 @@ def main(argv: list[str] | None = None) -> int:
         target = args.results or (RESULTS if run.device.type == "cuda" and not run.tiny else None)
         if target is not None:
             title = "GPU" if args.only is None else f"GPU ({args.only} only)"
-            write(run, Path(target), table, updates, profiles, time.perf_counter() - t0, title)
+            write(run, Path(target), measured["table"], updates, measured["profiles"],
+                  time.perf_counter() - t0, title)  # fmt: skip
     failed = [r for r in run.rows if r.endswith("**FAIL** |")]
     print(f"{len(run.rows) - len(failed)} of {len(run.rows)} checks passed; "
           f"{time.perf_counter() - t0:.0f} s in all")  # fmt: skip
