@@ -120,7 +120,14 @@ CONFIGS = {
     "adafactor, donated": (adafactor, {"bias": False}, lambda s: s, lambda s: s),
 }
 DONATED = ("adamw", "adafactor, donated")  # in place, as the CLI runs them
-BUCKETS_FP16 = (sgd, {}, lambda s: ft.accumulate(ft.autocast(s, torch.float16), 2), None)
+# an odd vocabulary: the embedding's rows split unevenly over 2 ranks, so zero2's bucket copies
+# it rank by rank, and every other gradient in one strided copy
+BUCKETS_FP16 = (
+    sgd,
+    {"vocab_size": 65},
+    lambda s: ft.accumulate(ft.autocast(s, torch.float16), 2),
+    None,
+)
 
 # fsdp with and without prefetch (section 2b): each changes when and in what order it gathers
 PREFETCH_CONFIGS = {

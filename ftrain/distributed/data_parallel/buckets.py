@@ -29,8 +29,9 @@ gradients; these keep the params' reverse order.) And a step that raises during 
 the ranks with different buckets started: catch it and the process group is out of step, so end
 the run (as with torch's DDP), or use ``bucket_mb=None``, whose one reduction runs after backward.
 
-Cost: each gradient is copied into its bucket as autograd hands it over, and autograd's own is
-freed then, so the buckets take the gradients' place (no second gradient-sized copy, as the flat
+Cost: each gradient is copied into its bucket as autograd hands it over (one copy; under zero2
+one strided copy places every rank's row block in its segment, or one copy per rank where the
+blocks are uneven), and autograd's own is freed then, so the buckets take the gradients' place (no second gradient-sized copy, as the flat
 reduction after backward makes). ddp and zero1 return views of the buckets (fresh each step: the
 step divides them in place); zero2 returns this rank's rows and drops the buckets once done.
 """
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -151,10 +153,18 @@ class _Bucket:
         self.out: list[torch.Tensor] | None = None
 
     def put(self, j: int, grad: torch.Tensor, offsets: list) -> None:
-        """Copy the ``j``-th gradient of the bucket into the send buffer (on the current stream)."""
-        for start, rows, at in offsets[j]:
-            piece = grad if rows is None else grad.narrow(0, start, rows)
-            self.send[at : at + piece.numel()].view(piece.shape).copy_(piece)
+        """Copy the ``j``-th gradient of the bucket into the send buffer (on the current stream):
+        one copy, or one per rank where its row blocks are not alike (see :func:`_offsets`)."""
+        spec = offsets[j]
+        if isinstance(spec, _EveryRank):  # rank r's rows at the same place of each segment
+            w, rest = self.lay.world, grad.shape[1:]
+            width = spec.rows * math.prod(rest)
+            dst = self.send.view(w, -1).narrow(1, spec.at, width).view(w, spec.rows, *rest)
+            dst.copy_(grad.reshape(w, spec.rows, *rest))
+        else:
+            for start, rows, at in spec:
+                piece = grad if rows is None else grad.narrow(0, start, rows)
+                self.send[at : at + piece.numel()].view(piece.shape).copy_(piece)
         self.missing -= 1
 
 
@@ -234,11 +244,20 @@ class _Backward:
         return Reduced(grads, self.mesh)
 
 
-def _offsets(bucket: _Bucket) -> list[list[tuple]]:
+class _EveryRank(NamedTuple):
+    """A gradient whose row blocks are alike (``rows`` each, rank ``r``'s the ``r``-th) and sit at
+    the same offset ``at`` of every rank's segment: copied into the send buffer at once."""
+
+    rows: int
+    at: int
+
+
+def _offsets(bucket: _Bucket) -> list:
     """Per gradient of ``bucket``: ``(first row, rows, offset in the send buffer)`` for each
     piece it sends (all-reduce: the whole gradient, ``rows`` None; reduce-scatter: one piece per
-    rank, at that rank's segment, as ``Layout.scatter_send`` places it)."""
-    out: list[list[tuple]] = []
+    rank, at that rank's segment, as ``Layout.scatter_send`` places it), or an
+    :class:`_EveryRank` where those pieces form one strided copy."""
+    out: list = []
     if not bucket.scatter:
         at = 0
         for shape in bucket.shapes:
@@ -253,7 +272,9 @@ def _offsets(bucket: _Bucket) -> list[list[tuple]]:
             first, rows = lay.rows[r][i]
             pieces.append((first, rows, starts[r]))
             starts[r] += lay.sizes[r][i]
-        out.append(pieces)
+        rows, at = pieces[0][1], pieces[0][2]
+        alike = all(p == (r * rows, rows, r * lay.segment + at) for r, p in enumerate(pieces))
+        out.append(_EveryRank(rows, at) if alike and rows > 0 else pieces)
     for r in range(lay.world):  # the pads: zeros, as scatter_send sends them
         bucket.send[starts[r] : (r + 1) * lay.segment].zero_()
     return out
