@@ -54,12 +54,12 @@ backward and the reduction stay compiled.
 
 **On a GPU** (an H200, one rank): the side stream and pinned buffers, fsdp's per-block copies (the
 CUDA tests) and ddp/zero2's per-bucket copies beside NCCL's buckets (``benchmarks/gpu.py``'s
-checks) run and equal the step without offload to the host AdamW's rounding. Not yet measured: where the copies during
-backward pay (on a small model they cost more than they hide: docs/memory.md) and several NCCL
-ranks. Not done: a host master copy of the params (they are copied to the host each step, into
-pinned buffers reused by :func:`offloaded`). On a machine without a GPU the host is the device: the
-copies are host-to-host, the same code runs, and the result is bitwise that of the step without
-offload.
+checks) run and equal the step without offload to the host AdamW's rounding. Not yet measured:
+where the copies during backward pay (on a small model they cost more than they hide:
+docs/memory.md) and several NCCL ranks. Not done: a host master copy of the params (they are
+copied to the host each step, into pinned buffers reused by :func:`offloaded`). On a machine
+without a GPU the host is the device: the copies are host-to-host, the same code runs, and the
+result is bitwise that of the step without offload.
 """
 
 from __future__ import annotations
