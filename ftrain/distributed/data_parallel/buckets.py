@@ -32,8 +32,9 @@ the run (as with torch's DDP), or use ``bucket_mb=None``, whose one reduction ru
 Cost: each gradient is copied into its bucket as autograd hands it over (one copy; under zero2
 one strided copy places every rank's row block in its segment, or one copy per rank where the
 blocks are uneven), and autograd's own is freed then, so the buckets take the gradients' place
-(no second gradient-sized copy, as the flat reduction after backward makes). ddp and zero1 return views of the buckets (fresh each step: the
-step divides them in place); zero2 returns this rank's rows and drops the buckets once done.
+(no second gradient-sized copy, as the flat reduction after backward makes). ddp and zero1
+return views of the buckets (fresh each step: the step divides them in place); zero2 returns this
+rank's rows and drops the buckets once done.
 """
 
 from __future__ import annotations
