@@ -12,6 +12,7 @@ its rows, which is wrong for a token mean over padded rows: the step says so at 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -101,14 +102,24 @@ def cross_entropy(
     if fp32:
         total = F.cross_entropy(x.float(), t, ignore_index=ignore_index, reduction="sum")
     else:  # the kernel accumulates in fp32 and writes the logits' dtype; the sum in fp32
-        valid = t != ignore_index
         # dtype named: CUDA autocast runs a log_softmax without one in fp32 (a copy of the
         # logits upcast, fp32 log-probabilities); with it, as F.cross_entropy calls it
         logp = F.log_softmax(x, dim=-1, dtype=x.dtype)
-        picked = logp.gather(1, torch.where(valid, t, 0).unsqueeze(1))
-        total = -torch.where(valid, picked.squeeze(1).float(), 0.0).sum()
+        with _autocast_off(x.device.type):  # nll_loss is on its fp32 list: an fp32 copy of logp
+            # nll_loss, not a gather: compilers lower its backward as one fused pass, where a
+            # gather's is a scatter into a zeroed logits-sized buffer (inductor's CPU backend
+            # even falls back to an fp32 scatter_reduce)
+            picked = F.nll_loss(logp, t, ignore_index=ignore_index, reduction="none")
+        total = picked.float().sum()  # -log p of each target, exact in the logits' dtype
     count = (targets != ignore_index).sum()
     return TokenLoss(total, count)
+
+
+def _autocast_off(device_type: str):
+    """A context where autocast is off for ``device_type`` (a no-op where it is not on)."""
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def causal_lm(

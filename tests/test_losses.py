@@ -97,6 +97,47 @@ def test_cross_entropy_in_the_logits_dtype_keeps_them_under_cuda_autocast():
     assert all(out == torch.bfloat16 for _, out in seen), seen
 
 
+def _allocator_peak(fn) -> int:
+    """The most bytes the CPU allocator held at once while ``fn()`` ran, above what it held at
+    the start: the profiler's allocation events, which count a kernel's own scratch buffers too
+    (a dispatch-level count sees only the ops' results)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
+        fn()
+    allocation = torch._C._profiler._EventType.Allocation  # no public name for it
+    events, todo = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while todo:
+        e = todo.pop()
+        todo.extend(e.children)
+        if e.tag == allocation:
+            events.append((e.start_time_ns, e.extra_fields.alloc_size))
+    held = peak = 0
+    for _, size in sorted(events):
+        held += size
+        peak = max(peak, held)
+    return peak
+
+
+def test_cross_entropy_in_the_logits_dtype_costs_no_more_memory_than_torchs():
+    """``fp32=False``'s forward and backward hold no more memory than ``F.cross_entropy`` on the
+    same bf16 logits (nanoGPT's loss), kernels' scratch included: the target's log-probability
+    is picked by nll_loss, whose backward writes the bf16 gradient directly (a gather's backward
+    scatters into a zeroed buffer, which torch's CPU kernel does through an fp32 copy)."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(256, 4096, generator=g).to(torch.bfloat16).requires_grad_()
+    targets = torch.randint(0, 4096, (256,), generator=g)
+
+    def ours():
+        torch.autograd.grad(cross_entropy(logits, targets, fp32=False).total, logits)
+
+    def torchs():
+        torch.autograd.grad(F.cross_entropy(logits, targets, reduction="sum"), logits)
+
+    ours(), torchs()  # warm: first calls may allocate once-only buffers
+    logits_bytes = logits.numel() * logits.element_size()
+    assert _allocator_peak(ours) <= _allocator_peak(torchs) + logits_bytes // 64
+
+
 def test_a_count_of_zero_gives_a_value_of_zero():
     assert float(ft.Loss(torch.tensor(0.0), torch.tensor(0)).value) == 0.0
 
