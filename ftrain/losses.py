@@ -12,7 +12,6 @@ its rows, which is wrong for a token mean over padded rows: the step says so at 
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -34,6 +33,9 @@ __all__ = [
     "as_loss",
     "warn_row_weighted",
 ]
+
+
+_NO_REDUCTION = 0  # aten's reduction enum: "none"
 
 
 class Loss(NamedTuple):
@@ -105,21 +107,14 @@ def cross_entropy(
         # dtype named: CUDA autocast runs a log_softmax without one in fp32 (a copy of the
         # logits upcast, fp32 log-probabilities); with it, as F.cross_entropy calls it
         logp = F.log_softmax(x, dim=-1, dtype=x.dtype)
-        with _autocast_off(x.device.type):  # nll_loss is on its fp32 list: an fp32 copy of logp
-            # nll_loss, not a gather: compilers lower its backward as one fused pass, where a
-            # gather's is a scatter into a zeroed logits-sized buffer (inductor's CPU backend
-            # even falls back to an fp32 scatter_reduce)
-            picked = F.nll_loss(logp, t, ignore_index=ignore_index, reduction="none")
+        # picked by nll_loss, not a gather: compilers lower its backward as one fused pass, where
+        # a gather's is a scatter into a zeroed logits-sized buffer (inductor's CPU backend even
+        # falls back to an fp32 scatter_reduce). The aten op itself: autocast lists F.nll_loss
+        # (its fp32 list: a copy of logp upcast), not the kernel beneath it
+        picked, _ = torch.ops.aten.nll_loss_forward(logp, t, None, _NO_REDUCTION, ignore_index)
         total = picked.float().sum()  # -log p of each target, exact in the logits' dtype
     count = (targets != ignore_index).sum()
     return TokenLoss(total, count)
-
-
-def _autocast_off(device_type: str):
-    """A context where autocast is off for ``device_type`` (a no-op where it is not on)."""
-    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
-        return torch.autocast(device_type, enabled=False)
-    return contextlib.nullcontext()
 
 
 def causal_lm(
