@@ -396,8 +396,10 @@ def test_the_warning_under_compile_breaks_no_graph_and_comes_once():
         breaks = dynamo.graph_breaks()
         ft.compile(step, backend="eager")(state, batch)  # a micro-batch graph and the update's
         new = [r for r, n in dynamo.graph_breaks().items() if n > breaks.get(r, 0)]
-        # no graph break at the check (torch 2.11 breaks at the leaf copies' requires_grad_ only)
-        assert all("requires_grad_" in r for r in new) and not (new and dynamo.traces_whole_steps())
+        # no graph break at the check (torch 2.11 breaks at the leaf copies' requires_grad_, and
+        # ft.compile then compiles the backward apart: a break at torch.autograd.grad)
+        assert not (new and dynamo.traces_whole_steps()), new
+        assert all("requires_grad_" in r or "autograd" in r for r in new), new
         assert len(seen) == 1  # told after the compiled call
         compiled = ft.compile(step, backend="eager")
         assert_no_recompile(compiled, state, [batch] * 3)

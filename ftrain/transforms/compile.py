@@ -10,7 +10,11 @@ import torch
 
 from ftrain import tree
 from ftrain.internals import foreach
-from ftrain.internals.dynamo import refused_rematerialization, tracing_autograd
+from ftrain.internals.dynamo import (
+    refused_rematerialization,
+    traces_whole_steps,
+    tracing_autograd,
+)
 from ftrain.step import Grads, Step, StepFn, Transform
 from ftrain.step.capabilities import COMPILES
 from ftrain.step.engine import add_aux
@@ -55,14 +59,24 @@ class _CompiledStep:
     dynamo then hands the forward to AOT autograd, whose joint graph recomputes the blocks with
     their random numbers, and the rest is a graph of its own. That is decided on the first call (the
     compile is refused before anything runs, so nothing was changed) and said once.
+
+    Where dynamo cannot capture the step as one graph at all (torch 2.11 breaks it at the leaf
+    copies' ``requires_grad_``: ``traces_whole_steps``), the backward is compiled apart from the
+    start, silently: the fusion across forward and update is lost there anyway, and the graph
+    after the break would hold forward and backward without AOT autograd's partition, keeping
+    what eager autograd saves (on torch 2.11 inductor even computed the loss's value after the
+    backward, holding the logits through it: 1.20x the peak of ``torch.compile`` on the model,
+    which compiling apart matches; ``benchmarks/RESULTS.md``).
     """
 
     def __init__(self, fn, stacklevel: int = 3):
         self.fn = fn
-        self.backward_apart = False
+        self.backward_apart: bool | None = None  # None: decided at the first call
         self.stacklevel = stacklevel  # the warning points at the user's call of the step
 
     def __call__(self, *args):
+        if self.backward_apart is None:
+            self.backward_apart = not traces_whole_steps()
         if not self.backward_apart:
             try:
                 with tracing_autograd():
@@ -130,9 +144,10 @@ def compile(step: Step, **torch_compile_kwargs) -> Step:  # noqa: A001 - mirrors
     and update are one graph that inductor fuses across: the optimizer's pointwise math lands in
     the kernels that produce the gradients. (torch 2.11's dynamo breaks the graph at the
     ``requires_grad_`` that makes the leaf copies: there the step compiles as several graphs,
-    with the same results and no fusion across them; ``ftrain.internals.dynamo.traces_whole_steps``
-    says which.) Dynamo captures ``ft.checkpoint``'s blocks in that
-    graph too, as checkpointed regions. torch 2.13's compiler recomputes such regions inside a
+    with the same results and no fusion across them, the backward apart from the forward as
+    ``torch.compile`` of a module compiles it, with its memory;
+    ``ftrain.internals.dynamo.traces_whole_steps`` says which.) Dynamo captures
+    ``ft.checkpoint``'s blocks in that graph too, as checkpointed regions. torch 2.13's compiler recomputes such regions inside a
     graph that holds the backward only when they draw no random numbers (no dropout, and no
     ``scaled_dot_product_attention``, whose kernels are tagged as random even at dropout 0);
     otherwise the backward is compiled apart (AOT autograd's joint graph), with the same results

@@ -178,6 +178,30 @@ def test_checkpoint_traces_without_recompiles(policy):
         assert max_rel_error(a, b) < 1e-6
 
 
+def test_where_dynamo_cannot_trace_the_whole_step_the_backward_is_compiled_apart(monkeypatch):
+    """On a torch whose dynamo cannot capture the step as one graph (torch 2.11), ft.compile
+    compiles the backward apart from the first call: no graph holds torch.autograd.grad (AOT
+    autograd partitions forward and backward, as torch.compile of a module), nothing is said,
+    and the result is the eager step's."""
+    import importlib
+    import warnings
+
+    module = importlib.import_module("ftrain.transforms.compile")  # the package exports compile()
+    monkeypatch.setattr(module, "traces_whole_steps", lambda: False)
+    _, step, state = gpt_step()
+    batches = [lm_batch(8, seed=i) for i in range(3)]
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        graphs, final, _ = _traced(lambda compile: compile(step), state, batches)
+    assert not [w for w in said if "ft.compile" in str(w.message)]
+    assert len(graphs) >= 2 and not any(torch.autograd.grad in _targets(g) for g in graphs)
+    s = state
+    for batch in batches:
+        s, _ = step(s, batch)
+    for a, b in zip(ft.tree.leaves(final.params), ft.tree.leaves(s.params)):
+        assert max_rel_error(a, b) < 1e-6
+
+
 def test_compile_twice_is_refused():
     _, step, _ = gpt_step()
     with pytest.raises(ValueError, match=r"ft\.compile was applied twice.*apply it once"):
