@@ -45,6 +45,7 @@ __all__ = [
     "track_allocations",
     "AllocationPeak",
     "peak_bytes",
+    "allocator_peak",
     "max_rel_error",
     "run_distributed",
     "DistributedError",
@@ -346,6 +347,48 @@ def track_allocations() -> Iterator[AllocationPeak]:
 
 
 # -- peak memory of a step --------------------------------------------------------------------
+
+
+def allocator_peak(
+    fn: Callable[[], Any], device: str = "cpu", *, buffers: list[int] | None = None
+) -> int:
+    """The most bytes torch's allocator for ``device`` held at once while ``fn()`` ran, above
+    what it held when ``fn`` started. Given a list as ``buffers``, fills it with the sizes of
+    the allocations alive at that moment, largest first (those made before ``fn`` left out).
+
+    Read from the profiler's allocation events, so it counts what the op-level counters
+    (:func:`track_allocations`, :func:`peak_bytes`) cannot see: a kernel's own scratch buffers
+    and the buffers of compiled code (``torch.compile``'s generated kernels allocate below the
+    dispatcher). Every thread's allocations count. For CUDA, ``torch.cuda.max_memory_allocated``
+    says the same more cheaply; this is the CPU's equivalent, which torch lacks.
+    """
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
+        fn()
+    allocation = torch._C._profiler._EventType.Allocation  # the event tree has no public names
+    events, todo = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while todo:
+        event = todo.pop()
+        todo.extend(event.children)
+        fields = event.extra_fields
+        if event.tag == allocation and str(fields.device) == device:
+            events.append((event.start_time_ns, fields.ptr, fields.alloc_size))
+    alive: dict[int, int] = {}
+    at_peak: list[int] = []
+    held = peak = 0
+    for _, ptr, size in sorted(events):  # a free is a negative size
+        held += size
+        if size > 0:
+            alive[ptr] = size
+        else:
+            alive.pop(ptr, None)
+        if held > peak:
+            peak = held
+            if buffers is not None:
+                at_peak = list(alive.values())
+    if buffers is not None:
+        buffers[:] = sorted(at_peak, reverse=True)
+    return peak
 
 
 def peak_bytes(step: Step, state: TrainState, batch: Any) -> int:

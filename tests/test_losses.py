@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import ftrain as ft
 from ftrain.internals import dynamo
 from ftrain.losses import ScalarLossWarning, as_loss, cross_entropy
-from ftrain.testing import assert_no_recompile, assert_steps_close
+from ftrain.testing import allocator_peak, assert_no_recompile, assert_steps_close
 
 from _tiny import lm_batch, tiny_gpt
 
@@ -97,27 +97,6 @@ def test_cross_entropy_in_the_logits_dtype_keeps_them_under_cuda_autocast():
     assert all(out == torch.bfloat16 for _, out in seen), seen
 
 
-def _allocator_peak(fn) -> int:
-    """The most bytes the CPU allocator held at once while ``fn()`` ran, above what it held at
-    the start: the profiler's allocation events, which count a kernel's own scratch buffers too
-    (a dispatch-level count sees only the ops' results)."""
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
-        fn()
-    allocation = torch._C._profiler._EventType.Allocation  # no public name for it
-    events, todo = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while todo:
-        e = todo.pop()
-        todo.extend(e.children)
-        if e.tag == allocation:
-            events.append((e.start_time_ns, e.extra_fields.alloc_size))
-    held = peak = 0
-    for _, size in sorted(events):
-        held += size
-        peak = max(peak, held)
-    return peak
-
-
 def test_cross_entropy_in_the_logits_dtype_costs_no_more_memory_than_torchs():
     """``fp32=False``'s forward and backward hold no more memory than ``F.cross_entropy`` on the
     same bf16 logits (nanoGPT's loss), kernels' scratch included: the target's log-probability
@@ -135,7 +114,7 @@ def test_cross_entropy_in_the_logits_dtype_costs_no_more_memory_than_torchs():
 
     ours(), torchs()  # warm: first calls may allocate once-only buffers
     logits_bytes = logits.numel() * logits.element_size()
-    assert _allocator_peak(ours) <= _allocator_peak(torchs) + logits_bytes // 64
+    assert allocator_peak(ours) <= allocator_peak(torchs) + logits_bytes // 64
 
 
 def test_a_count_of_zero_gives_a_value_of_zero():

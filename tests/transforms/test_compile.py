@@ -11,7 +11,7 @@ import ftrain as ft
 from ftrain.internals import dynamo
 from ftrain.testing import assert_no_recompile, assert_one_graph, max_rel_error
 
-from _tiny import UNEVEN, chain_step, gpt_step, lm_batch, lm_loss, tiny_gpt
+from _tiny import UNEVEN, D, chain_step, gpt_step, lm_batch, lm_loss, tiny_gpt
 
 
 @pytest.mark.slow
@@ -188,8 +188,8 @@ def test_where_dynamo_cannot_trace_the_whole_step_the_backward_is_compiled_apart
 
     module = importlib.import_module("ftrain.transforms.compile")  # the package exports compile()
     monkeypatch.setattr(module, "traces_whole_steps", lambda: False)
-    _, step, state = gpt_step()
-    batches = [lm_batch(8, seed=i) for i in range(3)]
+    step, state, _ = chain_step(2)
+    batches = [torch.randn(8, D, generator=torch.Generator().manual_seed(i)) for i in range(3)]
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         graphs, final, _ = _traced(lambda compile: compile(step), state, batches)
