@@ -360,7 +360,8 @@ def matmul_peak(run: Run) -> float:
 
 def ftrain_apart_side(run: Run, dims: dict, x, y, compiled: bool):
     """The same step compiled with its backward apart (compiled only; ft.compile's fallback where
-    it cannot recompute checkpointed blocks in one graph): dynamo breaks the graph at
+    it cannot recompute checkpointed blocks in one graph, and its default where dynamo cannot
+    trace a whole step, as on torch 2.11, where this side is the default's): dynamo breaks at
     ``torch.autograd.grad``, so AOT autograd partitions forward and backward as for the PyTorch
     loop (recomputing what is cheap), and the update is a graph of its own. A diagnostic: where
     ft.compile's one graph (forward, backward and update traced together) holds more memory."""
@@ -524,6 +525,8 @@ def _raised(run: Run, what: str, e: Exception) -> None:
 
 def measure(run: Run, side, dims, x, y, compiled: bool):
     """One side's ``(ms, host CPU ms, peak GiB, setup s, syncs)`` per step and its first loss.
+    The peak is the most the timed steps held, above what the device held before the side was
+    built: its state counts, the transients of its build and compile do not.
     Host CPU time is this process's over the timed steps: near the wall time means the host,
     not the GPU, sets the pace. Syncs are the host waits on the device that one step makes
     (``torch.cuda.set_sync_debug_mode``)."""
@@ -541,6 +544,8 @@ def measure(run: Run, side, dims, x, y, compiled: bool):
         one()
     run.sync()
     setup = time.perf_counter() - t0
+    if run.device.type == "cuda":  # the steps' peak (state included), not the build's or compile's
+        torch.cuda.reset_peak_memory_stats()
     t, c = time.perf_counter(), time.process_time()
     for _ in range(timed):
         one()
@@ -781,7 +786,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="write there the profiler's whole kernel table of each bench side and "
                         "(CUDA) the breakdown of the memory its step holds at its peak")  # fmt: skip
     p.add_argument("--apart", action="store_true",
-                   help="also bench the step given to torch.compile itself (backward apart)")  # fmt: skip
+                   help="also bench the step compiled with its backward apart (ft.compile's "
+                        "default where dynamo cannot trace a whole step, as on torch 2.11)")  # fmt: skip
     p.add_argument("--results", default=None, metavar="FILE",
                    help="the RESULTS.md to write the GPU section into (default: benchmarks/"
                    "RESULTS.md on a GPU without --tiny; nothing otherwise)")  # fmt: skip

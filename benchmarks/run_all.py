@@ -1,6 +1,6 @@
 """Run every benchmark; each rewrites its own section of benchmarks/RESULTS.md.
 
-    python benchmarks/run_all.py            # all of them (about 15 minutes on a 2-core CPU)
+    python benchmarks/run_all.py            # all of them (about 25 minutes on a 2-core CPU)
     python benchmarks/run_all.py mfu data   # some of them
 
 Each script measures ftrain and the imperative PyTorch way side by side in the same run and
@@ -18,7 +18,8 @@ from _common import RESULTS, machine
 
 HERE = Path(__file__).resolve().parent
 SCRIPTS = ["step_overhead", "transforms", "data", "optimizers", "mfu", "shard", "vmap",
-           "checkpoint", "memory", "lora", "born", "offload", "offload_plan", "pipeline"]  # fmt: skip
+           "checkpoint", "memory", "lora", "born", "offload", "offload_plan", "pipeline",
+           "compile_memory"]  # fmt: skip
 
 
 def main(names: list[str]) -> int:
