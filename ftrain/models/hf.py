@@ -77,7 +77,8 @@ def load_causal_lm(
     attn_implementation: str | None = None,
 ) -> nn.Module:
     """The causal language model saved in ``model_dir`` by ``save_pretrained``, read from local
-    files only (``local_files_only=True``: never the network, no remote code).
+    files only (``local_files_only=True``: never the network, no remote code, and
+    none of the layer kernels transformers 5 fetches from the Hub by default).
 
     Guarantees: the model is an ``AutoModelForCausalLM`` of the directory's ``config.json`` with
     the weights of its ``*.safetensors`` files (no pickle is read), in ``dtype`` (float32 by
@@ -97,6 +98,8 @@ def load_causal_lm(
     """
     path, transformers = _checked("load_causal_lm", model_dir, attn_implementation)
     attn = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    if hasattr(transformers.PreTrainedModel, "use_kernels"):  # transformers 5: on by default
+        attn["use_kernels"] = False  # the model's own modules, not kernels from the Hub
     model = transformers.AutoModelForCausalLM.from_pretrained(
         path, local_files_only=True, dtype=dtype, use_safetensors=True, trust_remote_code=False,
         **attn,

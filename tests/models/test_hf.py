@@ -93,6 +93,7 @@ def test_load_causal_lm_reads_a_save_pretrained_folder_offline(tmp_path, kind):
     ref = transformers.AutoModelForCausalLM.from_pretrained(folder)
     assert model.training and not model.config.use_cache
     assert next(model.parameters()).dtype == torch.float32
+    assert not getattr(model, "use_kernels", False)  # transformers 5's Hub kernels stay off
     x = torch.randint(
         0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0)
     )
