@@ -16,17 +16,13 @@ own numbers come from ``benchmarks/gpu.py``.
 from __future__ import annotations
 
 import collections
-import sys
-from pathlib import Path
 
+import gpu  # its sides: ftrain's step and the imperative loop (this folder is on the path)
 import torch
 from _common import machine, write_section
 
 import ftrain as ft
 from ftrain.internals import dynamo
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gpu  # noqa: E402  (its sides: ftrain's step and the imperative loop)
 
 DIMS = dict(gpu.BENCH, vocab_size=8192, d_model=256, n_head=4, n_layer=4, seq_len=256)
 ROWS = 4

@@ -361,7 +361,7 @@ def matmul_peak(run: Run) -> float:
 def ftrain_apart_side(run: Run, dims: dict, x, y, compiled: bool):
     """The same step compiled with its backward apart (compiled only; ft.compile's fallback where
     it cannot recompute checkpointed blocks in one graph, and its default where dynamo cannot
-    trace a whole step, as on torch 2.11, where this side is the default's): dynamo breaks at
+    trace a whole step, as on torch 2.11): dynamo breaks the graph at
     ``torch.autograd.grad``, so AOT autograd partitions forward and backward as for the PyTorch
     loop (recomputing what is cheap), and the update is a graph of its own. A diagnostic: where
     ft.compile's one graph (forward, backward and update traced together) holds more memory."""

@@ -349,10 +349,8 @@ def track_allocations() -> Iterator[AllocationPeak]:
 # -- peak memory of a step --------------------------------------------------------------------
 
 
-def allocator_peak(
-    fn: Callable[[], Any], device: str = "cpu", *, buffers: list[int] | None = None
-) -> int:
-    """The most bytes torch's allocator for ``device`` held at once while ``fn()`` ran, above
+def allocator_peak(fn: Callable[[], Any], *, buffers: list[int] | None = None) -> int:
+    """The most bytes torch's CPU allocator held at once while ``fn()`` ran, above
     what it held when ``fn`` started. Given a list as ``buffers``, fills it with the sizes of
     the allocations alive at that moment, largest first (those made before ``fn`` left out).
 
@@ -371,7 +369,7 @@ def allocator_peak(
         event = todo.pop()
         todo.extend(event.children)
         fields = event.extra_fields
-        if event.tag == allocation and str(fields.device) == device:
+        if event.tag == allocation and fields.device.type == "cpu":
             events.append((event.start_time_ns, fields.ptr, fields.alloc_size))
     alive: dict[int, int] = {}
     at_peak: list[int] = []

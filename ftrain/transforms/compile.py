@@ -147,8 +147,9 @@ def compile(step: Step, **torch_compile_kwargs) -> Step:  # noqa: A001 - mirrors
     with the same results and no fusion across them, the backward apart from the forward as
     ``torch.compile`` of a module compiles it, with its memory;
     ``ftrain.internals.dynamo.traces_whole_steps`` says which.) Dynamo captures
-    ``ft.checkpoint``'s blocks in that graph too, as checkpointed regions. torch 2.13's compiler recomputes such regions inside a
-    graph that holds the backward only when they draw no random numbers (no dropout, and no
+    ``ft.checkpoint``'s blocks in that graph too, as checkpointed regions. torch 2.13's compiler
+    recomputes such regions inside a graph that holds the backward only when they draw no
+    random numbers (no dropout, and no
     ``scaled_dot_product_attention``, whose kernels are tagged as random even at dropout 0);
     otherwise the backward is compiled apart (AOT autograd's joint graph), with the same results
     and memory, and a warning says so once.
