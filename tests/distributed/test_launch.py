@@ -41,6 +41,28 @@ def test_run_distributed_reports_the_failing_rank_with_its_traceback():
         run_distributed(_fails_on_rank_1, 2, timeout=120)
 
 
+def _what_a_rank_sees():
+    import os
+    import sys
+
+    return os.environ.get("FTRAIN_TEST_MARK"), os.getcwd(), sys.path[0], os.environ["RANK"]
+
+
+def test_each_call_s_ranks_see_its_environment_directory_and_path(tmp_path, monkeypatch):
+    """The ranks are forked from a server started at the first call, yet each call's ranks see
+    the caller's environment, working directory and import path as of that call, as spawned
+    processes would: here two calls in a row, the second after all three changed."""
+    for i in range(2):
+        monkeypatch.setenv("FTRAIN_TEST_MARK", f"call {i}")
+        where = tmp_path / f"call{i}"
+        where.mkdir()
+        monkeypatch.chdir(where)
+        monkeypatch.syspath_prepend(str(where / "modules"))
+        got = run_distributed(_what_a_rank_sees, 2, timeout=120)
+        want = (f"call {i}", str(where), str(where / "modules"))
+        assert got == [(*want, "0"), (*want, "1")]
+
+
 @pytest.mark.parametrize("world_size", [0, -1, 1.5, True])
 def test_run_distributed_refuses_a_bad_world_size(world_size):
     with pytest.raises(ValueError, match=r"world_size=.*must be an int >= 1"):
