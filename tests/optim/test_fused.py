@@ -324,7 +324,7 @@ def test_compiled_fused_step_equals_eager():
     loss_fn = lambda p, b: mean_ce(ft.apply(model, p, b[0]), b[1])  # noqa: E731
     batches = make_batches(4)
     eager, _ = run(opt, steps=4, batches=batches, donate=True)
-    compiled = ft.compile(ft.train_step(loss_fn, opt, donate=True))
+    compiled = ft.compile(ft.train_step(loss_fn, opt, donate=True), backend="aot_eager")
     state, _ = assert_no_recompile(
         compiled, ft.TrainState.create(ft.params_of(model), opt), batches
     )

@@ -23,7 +23,7 @@ def test_compile_matches_eager_without_recompiles():
     first call, the second time with a dynamic batch dimension). Dropout is off because inductor
     draws its own random numbers (compiled dropout is not eager's).
     """
-    model = tiny_gpt(bias=False)
+    model = tiny_gpt(bias=False, n_layer=1)
     schedule = ft.optim.warmup_cosine(1e-2, warmup_steps=2, decay_steps=6)
     opt = ft.optim.sgd(schedule, momentum=0.9)
     state = ft.TrainState.create(ft.params_of(model), opt)

@@ -195,7 +195,9 @@ def test_composes_with_accumulate_checkpoint_autocast_and_compile():
     fp32 = lora(ft.train_step(lm_loss(model), sgd))
     start = state.replace(opt_state=sgd.init(state.params))
     assert_steps_close(bf16, fp32, start, batch, steps=1, rtol=2e-2)
-    assert_steps_close(ft.compile(plain), plain, state, batch, steps=2, rtol=1e-5)
+    assert_steps_close(
+        ft.compile(plain, backend="aot_eager"), plain, state, batch, steps=2, rtol=1e-5
+    )
     # activation checkpointing still saves less for backward (the merged weights are saved alike)
     blocks = lora(ft.checkpoint(ft.train_step(lm_loss(model), opt)))
     assert saved_activation_bytes(blocks, state, batch) < saved_activation_bytes(

@@ -22,7 +22,7 @@ from ftrain.distributed.pipeline.cut import cut, even_split, family_of, stage_mo
 from ftrain.distributed.pipeline.runner import refusal
 from ftrain.io.sharded import leaves
 from ftrain.io.state_files import tree_of
-from tests._pipeline_ranks import ALL, CONFIGS, FOUR, FP16, SCHEDULES, reference
+from tests._pipeline_ranks import ALL, CONFIGS, EIGHT, FOUR, FP16, SCHEDULES, reference
 from tests._tiny import assert_trees_close, lm_batch, max_tree_diff, tiny_gpt
 
 TOL = 1e-5  # fp32, 3 AdamW steps: the issue's bound; measured at most 5e-6
@@ -232,7 +232,7 @@ def test_resumed_on_another_pipeline_size_continues_the_same_run(pipeline_four_r
 def test_the_3d_mesh_equals_one_process(pipeline_eight_ranks, run):
     """dp 2 x pp 2 x tp 2 on 8 processes, zero1 over dp; and fsdp over dp (each stage's tp
     pieces gathered over dp once per step)."""
-    assert_equal_to_one_process([r[run] for r in pipeline_eight_ranks], "plain")
+    assert_equal_to_one_process([r[run] for r in pipeline_eight_ranks], "plain", **EIGHT)
 
 
 # -- one process: the cut ------------------------------------------------------------------------
