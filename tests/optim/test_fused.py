@@ -315,8 +315,10 @@ def test_bad_fused_values_and_torch_only_options_are_refused_by_name():
 @pytest.mark.slow
 def test_compiled_fused_step_equals_eager():
     """ft.compile of a donated ``fused=True`` AdamW step (mask, schedule): it compiles (the
-    chain, which inductor fuses), with no recompile as the schedule moves, and equals the eager
-    fused step as closely as the two paths agree (a few steps: far below 1e-5)."""
+    chain, which dynamo traces where torch's fused kernel cannot be), with no recompile as the
+    schedule moves, and equals the eager fused step as closely as the two paths agree (a few
+    steps: far below 1e-5). AOT autograd's graphs run as traced (``aot_eager``): what is
+    ftrain's here is the tracing; inductor's code generation is test_compile's."""
     from ftrain.testing import assert_no_recompile
 
     model = tiny_gpt()

@@ -16,7 +16,9 @@ from _tiny import UNEVEN, D, chain_step, gpt_step, lm_batch, lm_loss, tiny_gpt
 
 @pytest.mark.slow
 def test_compile_matches_eager_without_recompiles():
-    """Slow (30-90 s on 2 CPU cores): the one test that runs torch.compile's code generation.
+    """Slow (about 80 s on 2 CPU cores, cold): the suite's test of torch.compile's code
+    generation (inductor's C++ kernels) on a step; the others trace with the "eager" or
+    "aot_eager" backends, which run the captured graphs as they are.
 
     The composition of the design's example, compiled: checkpoint and accumulate inside, over
     an uneven split (9 rows: micro-batches of 5 and 4, so the micro-batch compiles twice in the

@@ -180,12 +180,12 @@ def test_offload_under_compile_runs_the_update_eagerly_and_does_not_recompile():
     got, metrics = assert_no_recompile(compiled, state, batches)
     m_got = metrics[-1]
     # the forward and backward are compiled (rounding differs); the update is torch's fused SGD,
-    # run eagerly (inductor would have generated its own)
+    # run eagerly (had it been traced, the graph would hold the chain's ops instead)
     assert max_rel_error(m_got["loss"], m_want["loss"]) < 1e-5
     for a, b in zip(ft.tree.leaves(got.params), ft.tree.leaves(want.params)):
         assert max_rel_error(a, b) < 1e-5
-    # torch's fused kernel ran: a compiled update would be inductor's (ftrain.optim refuses the
-    # fused op while dynamo traces), so the update ran outside the graph
+    # torch's fused kernel ran: a traced update would be the chain's ops (ftrain.optim refuses
+    # the fused op while dynamo traces), so the update ran outside the graph
     with torch.profiler.profile() as prof:
         compiled(got, batches[0])
     assert any("_fused_sgd" in e.key for e in prof.key_averages())
