@@ -66,7 +66,7 @@ def test_compile_captures_the_whole_step_as_one_graph(transform):
     """Forward, torch.autograd.grad, the count division, clipping norm and the optimizer update
     in one dynamo graph: nothing between the phases runs eagerly. (ema's average is an eager
     wrap, outside the compiled function, wherever ema was applied.)"""
-    _, step, state = gpt_step()
+    _, step, state = gpt_step(n_layer=1)
     graph = assert_one_graph(transform(step), state, lm_batch(8, lengths=UNEVEN))
     targets = {n.target for n in graph.graph.nodes if n.op == "call_function"}
     assert torch.autograd.grad in targets  # the backward is inside
@@ -169,7 +169,7 @@ def test_checkpoint_traces_without_recompiles(policy):
     """Dynamo traces checkpointed blocks in one graph, the same on every call (the "eager"
     backend: tracing and guards only, no code generation, a few seconds)."""
     torch._dynamo.reset()
-    _, step, state = gpt_step()
+    _, step, state = gpt_step(n_layer=1)
     step = ft.checkpoint(step, policy)
     batches = [lm_batch(8, seed=i, lengths=UNEVEN) for i in range(3)]
     final, _ = assert_no_recompile(ft.compile(step, backend="eager"), state, batches)
@@ -216,7 +216,7 @@ def test_what_is_applied_after_compile_is_compiled_too():
     give the result of the same transforms applied before it."""
     from ftrain.internals import dynamo
 
-    _, step, state = gpt_step()
+    _, step, state = gpt_step(n_layer=1)
     batch = lm_batch(8)
     for transform in (
         lambda s: ft.accumulate(s, 2),
